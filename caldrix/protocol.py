@@ -1,0 +1,91 @@
+"""Records that cross from routes/ to sched/ and back.
+
+routes/ parses and validates a request into a `Submission`; the scheduler answers on the
+submission's own event channel with `TokenEvent`s and closes that channel after the last one.
+No dicts, JSON or tensors cross this boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:  # trio is only needed for the annotation
+    import trio
+
+
+@attrs.frozen
+class SamplingParams:
+    """The six knobs of http-api.md "Sampling", resolved against the server's defaults.
+
+    `seed` is always concrete here: routes/ draws fresh entropy for a request that asked for
+    none, so the record of every request names the seed that reproduces it.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy picks the arg-max (after the penalty); top_k 1 is greedy too."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-sequence token, a stop token or a stop string (set by routes/)
+    LENGTH = "length"  # max_tokens reached or the context is full
+    ABORT = "abort"  # the client went away; nobody reads this one
+    ERROR = "error"  # the engine failed
+
+
+@attrs.frozen
+class TokenEvent:
+    """One step's result for one request.
+
+    `token_id` is None only on an event that carries no new token (an error, or the end of a
+    read-only request). `finish` is set on the last event of a request; the scheduler closes the
+    channel right after sending it.
+    """
+
+    token_id: int | None
+    finish: FinishReason | None = None
+    error: str | None = None
+    # Filled on the last event only: prompt rows reused from a held slot.
+    prefix_rows: int = 0
+    # Logits of Submission.read_ids at the next-token position (read-only requests).
+    read: tuple[float, ...] = ()
+
+
+@attrs.frozen(eq=False)
+class Submission:
+    """A validated request, handed to the scheduler through the bounded request channel.
+
+    Ownership: the scheduler is the only sender on `events` and closes it after the final
+    event. The route owns the receive end and closes it when it stops listening (client gone,
+    stop string); the scheduler then frees the request's slot at its next step.
+
+    `events` must be opened with a buffer of at least `max_tokens + 1`, so the scheduler's
+    `send_nowait` can never block on a slow client.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int  # already capped so prompt + reply fit the context
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]  # empty when ignore_eos
+    events: "trio.MemorySendChannel[TokenEvent]"
+    # Read-only request (systemone): no token is generated; the logits of these ids at the
+    # position after the prompt come back on the final event.
+    read_ids: tuple[int, ...] = ()
+    # Image requests never reuse held prompt rows and leave none behind.
+    reuse_prefix: bool = True
+
+    @property
+    def is_read_only(self) -> bool:
+        return bool(self.read_ids)
