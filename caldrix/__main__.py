@@ -1,0 +1,5 @@
+import sys
+
+from caldrix.cli import main
+
+sys.exit(main())

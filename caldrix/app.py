@@ -1,0 +1,57 @@
+"""create_app(): the quart-trio application, its limits and its error shapes."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+import trio
+from quart import Response
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from caldrix.routes.errors import ApiError
+from caldrix.runtime import Runtime
+
+log = logging.getLogger("caldrix")
+
+MAX_BODY = 4 * 2**20  # 4 MiB: a larger body is a 413, refused before it is read whole
+
+
+def json_response(obj: dict, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status=status, mimetype="application/json")
+
+
+def error_response(err: ApiError) -> Response:
+    return json_response(err.body(), err.status)
+
+
+def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
+    from caldrix.routes import completions, health
+
+    app = QuartTrio("caldrix")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    # Quart's 60 s defaults would cut a long stream or a slow upload without an error.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = 300
+    app.extensions["caldrix"] = (rt, submit_tx)
+    app.register_blueprint(health.bp)
+    app.register_blueprint(completions.bp)
+
+    @app.errorhandler(ApiError)
+    async def api_error(err: ApiError):
+        return error_response(err)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(err: HTTPException):
+        status = err.code or 500
+        messages = {413: f"the request body is over {MAX_BODY // 2**20} MiB",
+                    404: "no such route", 405: "method not allowed on this route"}
+        return error_response(ApiError(status, messages.get(status, err.description or err.name), None))
+
+    @app.errorhandler(Exception)
+    async def internal_error(err: Exception):
+        log.exception("request failed")
+        return error_response(ApiError(500, f"internal error: {type(err).__name__}", None))
+
+    return app

@@ -1,0 +1,168 @@
+"""The caldrix command line: serve, run, fetch, models, replay, bench.
+
+Exit status: 0 on success, 2 on bad arguments (argparse's own convention, and a bad flag value
+names the flag), 1 on a model or engine failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+
+from caldrix import __version__
+from caldrix.config import DEFAULT_PORT, ServeConfig
+from caldrix.protocol import SamplingParams
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(test, what: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or not test(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    return parse
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--backend", choices=["auto", "cpu", "cuda", "hip", "host"], default="auto",
+                   help="auto takes the GPU when torch sees one, else cpu; host runs the transformers reference")
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                   help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32")
+    g.add_argument("--context", type=_int_at_least(16), default=None,
+                   help="KV rows per sequence (default: the model's maximum, capped at 8192)")
+    g.add_argument("--max-batch", type=_int_at_least(1), default=1, help="sequences per forward pass (default 1)")
+    g.add_argument("--prefill-chunk", type=_int_at_least(1), default=128,
+                   help="prompt tokens per prefill chunk and per step (default 128)")
+    g.add_argument("--served-name", default=None, help="the model name the server answers to")
+    g.add_argument("--speculate", choices=["off"], default="off",
+                   help="speculative decoding: only off in this release")
+    s = p.add_argument_group("sampling defaults (greedy unless set)")
+    s.add_argument("--temperature", type=_float_in(lambda v: v >= 0, "a finite number >= 0"), default=0.0)
+    s.add_argument("--top-k", type=_int_at_least(-1), default=0, help="0 or -1 keeps every token")
+    s.add_argument("--top-p", type=_float_in(lambda v: 0 < v <= 1, "0 < p <= 1"), default=1.0)
+    s.add_argument("--min-p", type=_float_in(lambda v: 0 <= v <= 1, "0 <= p <= 1"), default=0.0)
+    s.add_argument("--repetition-penalty", type=_float_in(lambda v: v > 0, "a finite number > 0"), default=1.0)
+    s.add_argument("--seed", type=_int_at_least(-1), default=None, help="default seed; -1 or absent: fresh per request")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="caldrix", description="A local OpenAI-compatible server for small language models.")
+    parser.add_argument("--version", action="version", version=f"caldrix {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve one model over the OpenAI API on http://localhost:8425")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="a model directory, a .gguf file, a registry alias or a repo id (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=_int_at_least(0), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--queue-depth", type=_int_at_least(0), default=64,
+                       help="requests that may wait beyond those running; one more is a 429 (default 64)")
+    serve.add_argument("--replay-ring", type=_int_at_least(1), default=256, help="recent requests kept for /debug/requests")
+    _engine_flags(serve)
+
+    run = sub.add_parser("run", help="generate once and stream the text to stdout")
+    run.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="PROMPT, or MODEL PROMPT; '-' reads the prompt from stdin")
+    run.add_argument("--chat", action="store_true", help="render the prompt as one user message through the chat template")
+    run.add_argument("--max-tokens", type=_int_at_least(1), default=None, help="cap on generated tokens")
+    run.add_argument("--stop", action="append", default=[], help="a stop string (repeatable, up to 4)")
+    run.add_argument("--ignore-eos", action="store_true")
+    _engine_flags(run)
+
+    fetch = sub.add_parser("fetch", help="download a registry model or a repo id into the Hugging Face cache")
+    fetch.add_argument("model", metavar="MODEL")
+    sub.add_parser("models", help="list the model registry")
+    return parser
+
+
+def config_from(args: argparse.Namespace, model: str | None) -> ServeConfig:
+    seed = None if args.seed in (None, -1) else args.seed
+    return ServeConfig(
+        model=model,
+        host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", DEFAULT_PORT),
+        served_name=args.served_name,
+        backend=args.backend,
+        dtype=args.dtype,
+        context=args.context,
+        max_batch=args.max_batch,
+        queue_depth=getattr(args, "queue_depth", 64),
+        sampling=SamplingParams(
+            temperature=args.temperature,
+            top_k=max(args.top_k, 0),
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+        ),
+        seed=seed,
+        prefill_chunk=args.prefill_chunk,
+        replay_ring=getattr(args, "replay_ring", 256),
+        log_level=args.log_level,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from caldrix.models.source import ModelNotFound
+
+    try:
+        if args.command == "serve":
+            import trio
+
+            from caldrix.server import serve
+
+            trio.run(serve, config_from(args, args.model))
+            return 0
+        if args.command == "run":
+            if len(args.args) > 2:
+                parser.error("run takes [MODEL] PROMPT")
+            model, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
+            if len(args.stop) > 4:
+                parser.error("--stop: at most 4 stop strings")
+            from caldrix.run import run_once
+
+            if prompt == "-":
+                prompt = sys.stdin.read()
+            return run_once(config_from(args, model), prompt, chat=args.chat, max_tokens=args.max_tokens,
+                            stops=tuple(args.stop), ignore_eos=args.ignore_eos)
+        if args.command == "fetch":
+            from caldrix.models.commands import fetch
+
+            return fetch(args.model)
+        if args.command == "models":
+            from caldrix.models.commands import list_models
+
+            return list_models()
+    except ModelNotFound as exc:
+        print(f"caldrix: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # e.g. an unsupported architecture or a bad model directory
+        print(f"caldrix: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The server's settings, parsed from the command line into one frozen record. No I/O here."""
+
+from __future__ import annotations
+
+import attrs
+
+from caldrix.protocol import SamplingParams
+
+DEFAULT_PORT = 8425
+
+
+@attrs.frozen
+class ServeConfig:
+    model: str | None = None  # None: the embedded default
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    served_name: str | None = None
+    backend: str = "auto"  # auto | cpu | cuda | hip | host
+    dtype: str = "auto"
+    context: int | None = None  # None: the model's maximum, capped at 8192
+    max_batch: int = 1
+    queue_depth: int = 64
+    # The server's sampling defaults; seed None draws fresh entropy per request.
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None
+    prefill_chunk: int = 128
+    replay_ring: int = 256
+    log_level: str = "info"
+    graceful_timeout: float = 30.0

@@ -1,0 +1,123 @@
+"""The engine: owns the model, the KV cache and the sampler; one synchronous `step(Batch)`.
+
+Contract: `step` blocks for one forward pass and must be called from one thread at a time (the
+scheduler runs it in a worker thread through a limiter of one). It never touches trio, routes or
+sequences: it sees slots, positions and token ids only.
+
+Numerics: decode rows always run as one padded batch of `max_batch` rows, whatever number of
+slots is active, so the matmul shapes (and with them the float reduction order) do not depend on
+batch mates. Each prefill chunk runs as its own forward pass for the same reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from caldrix.batch import Batch, Run, RunOutput, StepOutput
+from caldrix.models.decoder import Attend, Decoder, KVCache, load_decoder
+from caldrix.sampler import greedy_batch, pick
+
+log = logging.getLogger("caldrix")
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """--dtype: auto is bfloat16 on GPUs and on CPUs with native bf16, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if device != "cpu" or cpu_has_native_bf16() else torch.float32
+    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+            "float16": torch.float16, "fp16": torch.float16}[name]
+
+
+class Engine:
+    """Runs Batches on an own-torch Decoder with `max_batch` KV slots of `context` rows."""
+
+    def __init__(self, model: Decoder, *, max_batch: int, context: int, device: str = "cpu"):
+        self.model = model
+        self.max_batch = max_batch
+        self.context = context
+        self.device = device
+        self.dtype = model.embed.weight.dtype
+        self.vocab_size = model.cfg.vocab_size
+        self.kv = KVCache(model.cfg, max_batch, context, self.dtype, device)
+        model.setup_rope(context)
+        # Mirror of the token ids in each slot's KV rows: the repetition penalty reads it.
+        self._rows: list[list[int]] = [[] for _ in range(max_batch)]
+
+    @classmethod
+    def load(cls, path: Path, *, dtype: torch.dtype, max_batch: int, context: int | None, device: str = "cpu") -> "Engine":
+        model = load_decoder(path, dtype, device)
+        ctx = min(model.cfg.max_positions, 8192) if context is None else context
+        return cls(model, max_batch=max_batch, context=ctx, device=device)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> StepOutput:
+        decode = [r for r in batch.runs if len(r.token_ids) == 1]
+        prefill = [r for r in batch.runs if len(r.token_ids) > 1]
+        assert len({r.slot for r in batch.runs}) == len(batch.runs), "one run per slot per step"
+        for r in batch.runs:
+            assert r.end <= self.context, f"run past the context: {r.end} > {self.context}"
+            rows = self._rows[r.slot]
+            del rows[r.start :]
+            rows.extend(r.token_ids)
+
+        picked: dict[int, list[int]] = {}  # id(run) -> tokens
+        reads: dict[int, list[float]] = {}
+        if decode:
+            hidden = self._decode(decode)  # [S, D]
+            logits = self.model.logits(hidden)  # fixed M = max_batch rows
+            for r in decode:
+                if r.pick_at:
+                    self._pick(r, logits[r.slot : r.slot + 1], picked, reads)
+        for r in prefill:
+            at = Attend("prefill", (r.slot,), torch.arange(r.start, r.end), torch.arange(r.start, r.end))
+            hidden = self.model(torch.tensor(r.token_ids), at, self.kv)
+            if r.pick_at:
+                self._pick(r, self.model.logits(hidden[list(r.pick_at)]), picked, reads)
+        return StepOutput(
+            tuple(RunOutput(tuple(picked.get(id(r), ())), tuple(reads.get(id(r), ()))) for r in batch.runs)
+        )
+
+    def _decode(self, runs: list[Run]) -> torch.Tensor:
+        S, C = self.max_batch, self.context
+        tokens = [0] * S
+        positions = [0] * S
+        write = [C] * S  # idle slots write their scratch row
+        lengths = [1] * S
+        for r in runs:
+            tokens[r.slot], positions[r.slot], write[r.slot], lengths[r.slot] = r.token_ids[0], r.start, r.start, r.start + 1
+        at = Attend("decode", tuple(range(S)), torch.tensor(positions), torch.tensor(write), tuple(lengths))
+        return self.model(torch.tensor(tokens), at, self.kv)
+
+    def _pick(self, r: Run, logits: torch.Tensor, picked: dict, reads: dict) -> None:
+        picked[id(r)], reads[id(r)] = pick_run(r, logits, self._rows[r.slot])
+
+
+def pick_run(r: Run, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float]]:
+    """Pick r's tokens from its fp32 logits [len(pick_at), V]; `rows` are the slot's token ids
+    (the repetition penalty's history). Returns (tokens, read logits)."""
+    read = logits[-1, list(r.read_ids)].tolist() if r.read_ids else []
+    params = r.sampling
+    if params.is_greedy and params.repetition_penalty == 1.0:
+        return greedy_batch(logits), read
+    out = []
+    for i, offset in enumerate(r.pick_at):
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(rows[: r.start + offset + 1]).unique()
+        out.append(pick(logits[i], params, seen, r.draw_index + i))
+    return out, read

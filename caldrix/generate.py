@@ -1,0 +1,100 @@
+"""One generation as seen from the front end: submit, then read text pieces as tokens arrive.
+
+Shared by the HTTP routes and `caldrix run`. Detokenizing and stop strings live here, in the
+front end, not in the scheduler: a stop string ends the generation by closing the event channel,
+which the scheduler notices within one step and frees the slot.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import attrs
+import trio
+
+from caldrix.protocol import FinishReason, SamplingParams, Submission, TokenEvent
+from caldrix.text import IncrementalDetokenizer, StopMatcher
+
+
+class QueueFull(Exception):
+    """The request channel's buffer is full (--queue-depth): answer 429."""
+
+
+class EngineStopped(Exception):
+    """The scheduler has stopped (engine failure or shutdown): answer 503."""
+
+
+class EngineFailed(Exception):
+    """The engine failed during this request: answer 500 (or an SSE error event)."""
+
+
+@attrs.frozen
+class Piece:
+    text: str
+    token_ids: tuple[int, ...]  # the tokens this piece completes (may be empty)
+    finish: FinishReason | None = None
+
+
+@attrs.frozen
+class GenRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    stops: tuple[str, ...] = ()
+
+
+def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tuple[int, ...] = ()) -> trio.MemoryReceiveChannel[TokenEvent]:
+    """Queue req without waiting. Returns the receive end of its event channel, which the
+    caller owns and must close (closing it early cancels the generation).
+
+    Raises QueueFull when --queue-depth requests already wait, EngineStopped when the
+    scheduler is gone."""
+    # Bound: the scheduler sends at most one event per token plus the final one.
+    tx, rx = trio.open_memory_channel(req.max_tokens + 1)
+    sub = Submission(
+        request_id=req.request_id,
+        prompt_ids=req.prompt_ids,
+        max_tokens=req.max_tokens,
+        sampling=req.sampling,
+        stop_token_ids=req.stop_token_ids,
+        events=tx,
+        read_ids=read_ids,
+    )
+    try:
+        submit_tx.send_nowait(sub)
+    except trio.WouldBlock:
+        rx.close()
+        raise QueueFull("the request queue is full") from None
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        rx.close()
+        raise EngineStopped("the engine is unavailable") from None
+    return rx
+
+
+async def pieces(rx: trio.MemoryReceiveChannel[TokenEvent], tokenizer, stops: tuple[str, ...]) -> AsyncIterator[Piece]:
+    """Turn token events into text pieces: UTF-8-safe, with stop strings held back and cut.
+
+    Closes rx when done or when the caller stops iterating. The last piece carries finish.
+    Raises EngineFailed if the engine fails mid-way."""
+    detok = IncrementalDetokenizer(tokenizer)
+    matcher = StopMatcher(stops)
+    with rx:
+        async for event in rx:
+            if event.finish is FinishReason.ERROR:
+                raise EngineFailed(event.error or "the engine failed")
+            ids = () if event.token_id is None else (event.token_id,)
+            text = detok.push(event.token_id) if ids else ""
+            if event.finish is not None:
+                text += detok.flush()
+            safe, stopped = matcher.feed(text)
+            if stopped:
+                yield Piece(safe, ids, FinishReason.STOP)
+                return
+            if event.finish is not None:
+                yield Piece(safe + matcher.flush(), ids, event.finish)
+                return
+            yield Piece(safe, ids)
+        # The channel closed with no final event: the scheduler went away under us.
+        raise EngineFailed("the engine stopped during the request")

@@ -1,0 +1,280 @@
+"""Plain torch decoders for the llama family: Llama (SmolLM2) and Qwen3 (per-head q/k RMSNorm).
+
+The model never sees a request, a scheduler or a server. It is called with packed token rows and
+an explicit `Attend` plan saying which KV slot and position each row belongs to. KV storage is a
+`KVCache` the engine allocates once and passes in.
+
+Shapes: T packed rows, D hidden, H query heads, G kv heads, E head dim, S slots, C context rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+
+
+@attrs.frozen
+class DecoderConfig:
+    arch: str  # "llama" or "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_embeddings: bool
+    max_positions: int
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "DecoderConfig":
+        raw = json.loads((Path(path) / "config.json").read_text())
+        archs = raw.get("architectures") or []
+        arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"this engine runs {', '.join(SUPPORTED)}"
+            )
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; only default RoPE is implemented")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        heads = raw["num_attention_heads"]
+        return cls(
+            arch=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_positions=raw.get("max_position_embeddings", 2048),
+        )
+
+
+class KVCache:
+    """K and V rows for `num_slots` sequences of `rows` positions, allocated once.
+
+    Layout per layer: [S, G, C, E]. Each slot has one extra scratch row at index C: an idle slot
+    in a padded decode batch writes there, so its held rows stay intact.
+    """
+
+    def __init__(self, cfg: DecoderConfig, num_slots: int, rows: int, dtype: torch.dtype, device):
+        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, rows + 1, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.rows = rows
+        self.num_slots = num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n rows of slot src into slot dst (all layers)."""
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+
+
+@attrs.frozen
+class Attend:
+    """Where the T rows of one forward pass live in the KV cache.
+
+    Two forms, one per call:
+    - decode: one row per slot, `slots` = all S slots in order, `positions` [S]; `lengths` [S]
+      is each row's visible key count (position + 1; 1 for an idle slot writing its scratch row).
+    - prefill: T rows of one slot at positions start..start+T-1 (`slots` = (slot,)).
+    """
+
+    kind: str  # "decode" | "prefill"
+    slots: tuple[int, ...]
+    positions: torch.Tensor  # [T] int64: RoPE positions
+    write_rows: torch.Tensor  # [T] int64: KV row each token is written to
+    lengths: tuple[int, ...] = ()  # decode only
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as the reference does, then back to the activation dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(cfg: DecoderConfig, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, fp32 [rows, E], in the half-split layout (rotate_half)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    t = torch.arange(rows, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, E]; cos, sin: [T, 1, E] in x's dtype
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig, index: int):
+        super().__init__()
+        self.cfg = cfg
+        self.index = index
+        h, g, e, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.q_size, self.kv_size = h * e, g * e
+        self.input_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # fused projections: one matmul for q, k and v, one for gate and up
+        self.wqkv = nn.Linear(d, (h + 2 * g) * e, bias=False)
+        self.wo = nn.Linear(h * e, d, bias=False)
+        self.w_gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, d, bias=False)
+        if cfg.arch == "qwen3":
+            self.q_norm = RMSNorm(e, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(e, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, at: Attend, kv: KVCache) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        h, g, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.wqkv(self.input_norm(x))  # [T, (H+2G)E]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(T, h, e), k.view(T, g, e), v.view(T, g, e)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = self._attend(q, k, v, at, kv)  # [T, H*E]
+        x = x + self.wo(attn)
+        gate, up = self.w_gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+    def _attend(self, q, k, v, at: Attend, kv: KVCache) -> torch.Tensor:
+        T, h, e = q.shape
+        K, V = kv.k[self.index], kv.v[self.index]  # [S, G, C+1, E]
+        scale = 1.0 / math.sqrt(e)
+        if at.kind == "decode":
+            slots = torch.arange(len(at.slots))
+            K[slots, :, at.write_rows] = k  # k: [S, G, E]
+            V[slots, :, at.write_rows] = v
+            n = max(at.lengths)
+            mask = torch.arange(n).unsqueeze(0) < torch.tensor(at.lengths).unsqueeze(1)  # [S, n]
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2),  # [S, H, 1, E]
+                K[:, :, :n],
+                V[:, :, :n],
+                attn_mask=mask[:, None, None, :],
+                scale=scale,
+                enable_gqa=True,
+            )
+            return out.reshape(T, h * e)
+        (slot,) = at.slots
+        start = int(at.write_rows[0])
+        K[slot, :, start : start + T] = k.transpose(0, 1)  # [G, T, E]
+        V[slot, :, start : start + T] = v.transpose(0, 1)
+        n = start + T
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, E]
+        keys, values = K[slot : slot + 1, :, :n], V[slot : slot + 1, :, :n]
+        if start == 0:
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # row i sees keys 0..start+i
+            mask = torch.arange(n).unsqueeze(0) <= (torch.arange(T) + start).unsqueeze(1)
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(T, h * e)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cos = self.sin = None  # set by setup_rope
+
+    def setup_rope(self, rows: int) -> None:
+        self.cos, self.sin = rope_tables(self.cfg, rows + 1, self.embed.weight.device)
+
+    def forward(self, token_ids: torch.Tensor, at: Attend, kv: KVCache) -> torch.Tensor:
+        """token_ids [T] -> final hidden states [T, D] (before the last norm)."""
+        x = self.embed(token_ids)
+        dtype = x.dtype
+        cos = self.cos[at.positions].to(dtype).unsqueeze(1)  # [T, 1, E]
+        sin = self.sin[at.positions].to(dtype).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, at, kv)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> fp32 logits [N, V]."""
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), w).float()
+
+
+def _hf_state(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_decoder(path: Path, dtype: torch.dtype, device="cpu") -> Decoder:
+    """Build a Decoder from a Hugging Face directory, fusing q/k/v and gate/up on the way."""
+    cfg = DecoderConfig.from_dir(path)
+    hf = _hf_state(path)
+
+    def take(name: str) -> torch.Tensor:
+        for prefix in ("model.", ""):
+            if prefix + name in hf:
+                return hf[prefix + name]
+        raise KeyError(f"weight {name} missing from {path}")
+
+    ours: dict[str, torch.Tensor] = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    if not cfg.tie_embeddings:
+        ours["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        ours[p + "input_norm.weight"] = take(p + "input_layernorm.weight")
+        ours[p + "post_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        ours[p + "wqkv.weight"] = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+        ours[p + "wo.weight"] = take(a + "o_proj.weight")
+        ours[p + "w_gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        ours[p + "w_down.weight"] = take(m + "down_proj.weight")
+        if cfg.arch == "qwen3":
+            ours[p + "q_norm.weight"] = take(a + "q_norm.weight")
+            ours[p + "k_norm.weight"] = take(a + "k_norm.weight")
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=True, assign=True)
+    return model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,57 @@
+"""`caldrix run`: one generation through the same scheduler and engine as the server."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+
+import attrs
+import trio
+
+from caldrix.config import ServeConfig
+from caldrix.generate import EngineFailed, GenRequest, pieces, submit
+
+
+def run_once(cfg: ServeConfig, prompt: str, *, chat: bool, max_tokens: int | None, stops: tuple[str, ...], ignore_eos: bool) -> int:
+    from caldrix.runtime import load_runtime
+
+    rt = load_runtime(cfg)
+    tok = rt.tokenizer
+    if chat:
+        if not tok.has_chat_template:
+            print("caldrix: this model has no chat template; run without --chat", file=sys.stderr)
+            return 2
+        ids = tuple(tok.render_chat([{"role": "user", "content": prompt}]))
+    else:
+        ids = tuple(tok.encode(prompt))
+    room = rt.context - len(ids)
+    if room < 1:
+        print(f"caldrix: the prompt is {len(ids)} tokens; the context holds {rt.context}", file=sys.stderr)
+        return 2
+    seed = cfg.seed if cfg.seed is not None else secrets.randbits(63)
+    req = GenRequest(
+        request_id="run-1",
+        prompt_ids=ids,
+        max_tokens=min(max_tokens or room, room),
+        sampling=attrs.evolve(cfg.sampling, seed=seed),
+        stop_token_ids=frozenset() if ignore_eos else tok.eos_token_ids,
+        stops=stops,
+    )
+
+    async def main() -> int:
+        tx, rx = trio.open_memory_channel(1)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(rt.scheduler.run, rx)
+            async with tx:
+                events = submit(tx, req)
+                try:
+                    async for piece in pieces(events, tok, stops):
+                        sys.stdout.write(piece.text)
+                        sys.stdout.flush()
+                except EngineFailed as exc:
+                    print(f"\ncaldrix: engine failure: {exc}", file=sys.stderr)
+                    return 1
+        sys.stdout.write("\n")
+        return 0
+
+    return trio.run(main)

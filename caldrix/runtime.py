@@ -1,0 +1,74 @@
+"""Everything a running server holds, built once at start-up (blocking: loads weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import attrs
+
+from caldrix.config import ServeConfig
+from caldrix.sched.loop import Scheduler
+
+
+@attrs.define(eq=False)
+class Runtime:
+    cfg: ServeConfig
+    served_name: str
+    origin: str
+    model_dir: Path
+    lane: str
+    dtype_name: str
+    engine: object  # engine.Engine or host_engine.HostEngine: both have step(), context, vocab_size
+    tokenizer: object  # tokenizer.Tokenizer
+    scheduler: Scheduler
+
+    @property
+    def context(self) -> int:
+        return self.engine.context
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def announce(self, say: Callable[[str], None]) -> None:
+        """The start-up lines of cli.md, one fact each."""
+        cfg = self.cfg
+        say(f"caldrix: model {self.served_name} ({self.origin})")
+        say(f"caldrix: lane {self.lane}")
+        say(f"caldrix: dtype {self.dtype_name}")
+        say(f"caldrix: context {self.context} rows per sequence")
+        say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}")
+        say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({cfg.max_batch} slots x {self.context} rows)")
+
+
+def load_runtime(cfg: ServeConfig) -> Runtime:
+    from caldrix.engine import Engine, resolve_dtype
+    from caldrix.models.source import resolve
+    from caldrix.sched.policy import Policy
+    from caldrix.sched.slots import SlotTable
+    from caldrix.server import pick_lane
+    from caldrix.tokenizer import Tokenizer
+
+    src = resolve(cfg.model)
+    lane = pick_lane(cfg.backend)
+    device = {"cpu": "cpu", "host": "cpu", "cuda": "cuda", "hip": "cuda"}[lane]
+    dtype = resolve_dtype(cfg.dtype, device)
+    if lane == "host":
+        from caldrix.host_engine import HostEngine
+
+        engine = HostEngine(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context)
+    else:
+        engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device)
+    policy = Policy(SlotTable(cfg.max_batch), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk)
+    return Runtime(
+        cfg=cfg,
+        served_name=cfg.served_name or src.served_name,
+        origin=src.origin,
+        model_dir=src.path,
+        lane=lane,
+        dtype_name=str(dtype).removeprefix("torch."),
+        engine=engine,
+        tokenizer=Tokenizer.load(src.path),
+        scheduler=Scheduler(engine, policy),
+    )

@@ -1,0 +1,70 @@
+"""KV slot accounting: which slot is free, and which token ids its rows still hold.
+
+Pure Python; the tensors live in the engine. A slot whose request ended keeps its rows ("held")
+so that a later request with the same prefix can skip recomputing them, as llama-server's slot
+reuse does.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@attrs.define
+class SlotTable:
+    num_slots: int
+    held: list[tuple[int, ...]] = attrs.field(init=False)
+    busy: list[bool] = attrs.field(init=False)
+    _clock: int = attrs.field(init=False, default=0)
+    _last_used: list[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.held = [() for _ in range(self.num_slots)]
+        self.busy = [False] * self.num_slots
+        self._last_used = [0] * self.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return self.busy.count(False)
+
+    @property
+    def num_busy(self) -> int:
+        return self.num_slots - self.num_free
+
+    def try_acquire(self, prompt: tuple[int, ...], *, reuse: bool) -> tuple[int, int] | None:
+        """Take a free slot for `prompt`: (slot, reused rows), or None when every slot is busy.
+
+        Prefers the free slot holding the longest prefix of the prompt, then the least recently
+        used. At least the last prompt token is always recomputed: its logits pick the first
+        reply token.
+        """
+        free = [s for s in range(self.num_slots) if not self.busy[s]]
+        if not free:
+            return None
+        if reuse:
+            slot = max(free, key=lambda s: (common_prefix(self.held[s], prompt), -self._last_used[s]))
+            rows = min(common_prefix(self.held[slot], prompt), len(prompt) - 1)
+        else:
+            slot, rows = min(free, key=lambda s: self._last_used[s]), 0
+        self.busy[slot] = True
+        self.held[slot] = prompt[:rows]
+        return slot, rows
+
+    def release(self, slot: int, held: tuple[int, ...]) -> None:
+        """Free `slot`; its first len(held) rows stay valid for reuse."""
+        assert self.busy[slot]
+        self.busy[slot] = False
+        self.held[slot] = held
+        self._clock += 1
+        self._last_used[slot] = self._clock
+
+    def rows_held(self) -> int:
+        return sum(len(h) for s, h in enumerate(self.held) if not self.busy[s])

@@ -1,0 +1,81 @@
+"""Composition root: load the model, then one root nursery owns the scheduler, the request
+channel and the HTTP server.
+
+Task tree:
+    serve()                      root nursery
+      Scheduler.run(rx)          sole owner of sequences and KV slots; steps in a worker thread
+      hypercorn.trio.serve(app)  HTTP handlers, each in hypercorn's own nursery under this one
+
+Shutdown: SIGINT or SIGTERM stops the listeners; hypercorn lets running requests finish (up to
+the graceful timeout); then the request channel is closed, the scheduler ends when its running
+requests have, and serve() returns so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import trio
+
+from caldrix.config import ServeConfig
+
+log = logging.getLogger("caldrix")
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def pick_lane(backend: str) -> str:
+    import torch
+
+    if backend != "auto":
+        return backend
+    if torch.cuda.is_available():
+        return "hip" if getattr(torch.version, "hip", None) else "cuda"
+    return "cpu"
+
+
+async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Load and serve until a signal (or cancellation). Model loading blocks a worker thread."""
+    from caldrix.runtime import load_runtime
+
+    rt = await trio.to_thread.run_sync(load_runtime, cfg)
+    rt.announce(say)
+    from hypercorn.config import Config as HyperConfig
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from caldrix.app import create_app
+
+    # The bounded request channel: its buffer is the queue of requests waiting beyond the
+    # running ones (--queue-depth); a full buffer is a 429 at the route.
+    submit_tx, submit_rx = trio.open_memory_channel(cfg.queue_depth)
+    app = create_app(rt, submit_tx)
+    hc = HyperConfig()
+    hc.bind = [f"{cfg.host}:{cfg.port}"]
+    hc.graceful_timeout = cfg.graceful_timeout
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    stop = trio.Event()
+
+    async def http(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with submit_tx:  # closed once hypercorn is done: the scheduler then drains and ends
+            await hypercorn_serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_wait_for_signal, stop)
+        await nursery.start(rt.scheduler.run, submit_rx)
+        binds = await nursery.start(http)
+        say(f"caldrix: listening on http://{cfg.host}:{cfg.port}/v1")
+        task_status.started(binds)
+    say("caldrix: stopped")
+
+
+async def _wait_for_signal(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for sig in signals:
+            say(f"caldrix: {signal.Signals(sig).name} received, finishing running requests")
+            stop.set()
+            return

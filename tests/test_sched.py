@@ -1,0 +1,173 @@
+"""The scheduler through its seams: the pure policy with hand-made step outputs, and the trio
+loop with a fake engine run inline (no threads, no torch)."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from caldrix.batch import Batch, RunOutput, StepOutput
+from caldrix.protocol import FinishReason, SamplingParams, Submission, TokenEvent
+from caldrix.sched.loop import Scheduler
+from caldrix.sched.policy import Policy
+from caldrix.sched.sequence import Sequence
+from caldrix.sched.slots import SlotTable
+
+EOS = 2
+
+
+def make_sub(prompt, max_tokens=4, rid="r", stop=frozenset({EOS})):
+    tx, rx = trio.open_memory_channel(max_tokens + 1)
+    return Submission(rid, tuple(prompt), max_tokens, SamplingParams(), stop, tx), rx
+
+
+class FakeEngine:
+    """Answers each pick with (last token + 1) % 100 and records the batches it saw."""
+
+    def __init__(self):
+        self.batches: list[Batch] = []
+
+    def step(self, batch: Batch) -> StepOutput:
+        self.batches.append(batch)
+        return StepOutput(tuple(
+            RunOutput(tuple((r.token_ids[o] + 1) % 100 for o in r.pick_at)) for r in batch.runs
+        ))
+
+
+async def inline(fn, batch):
+    await trio.lowlevel.checkpoint()
+    return fn(batch)
+
+
+def test_chunked_prefill_cuts_at_aligned_boundaries():
+    policy = Policy(SlotTable(2), chunk=4, prefill_budget=4)
+    sub, _ = make_sub(range(10, 20))
+    seq = Sequence(sub)
+    policy.admit(seq)
+    starts = []
+    while seq.in_prefill:
+        work = policy.schedule()
+        (run,) = work.batch.runs
+        starts.append((run.start, len(run.token_ids), run.pick_at))
+        policy.postprocess(work, StepOutput((RunOutput((5,) if run.pick_at else ()),)))
+    assert starts == [(0, 4, ()), (4, 4, ()), (8, 2, (1,))]
+    assert seq.output == [5]
+
+
+def test_decode_runs_join_a_prefill_within_the_budget():
+    policy = Policy(SlotTable(2), chunk=4, prefill_budget=4)
+    a, _ = make_sub([1, 3])
+    b, _ = make_sub(range(10, 22))
+    sa, sb = Sequence(a), Sequence(b)
+    policy.admit(sa)
+    work = policy.schedule()
+    policy.postprocess(work, StepOutput((RunOutput((7,)),)))
+    policy.admit(sb)
+    work = policy.schedule()
+    # a decodes one token while b gets one chunk: the long prompt cannot stall a
+    kinds = [(r.slot, len(r.token_ids)) for r in work.batch.runs]
+    assert kinds == [(sa.slot, 1), (sb.slot, 4)]
+
+
+def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
+    slots = SlotTable(2)
+    policy = Policy(slots, chunk=64, prefill_budget=64)
+    sub, _ = make_sub([5, 6, 7, 8], max_tokens=2)
+    seq = Sequence(sub)
+    policy.admit(seq)
+    for token in (40, 41):
+        work = policy.schedule()
+        policy.postprocess(work, StepOutput((RunOutput((token,)),)))
+    assert seq.finish is FinishReason.LENGTH
+    assert slots.held[seq.slot] == (5, 6, 7, 8, 40)  # the last token has no KV row yet
+    again, _ = make_sub([5, 6, 7, 8, 40, 9, 9])
+    s2 = Sequence(again)
+    policy.admit(s2)
+    assert (s2.slot, s2.prefix_rows) == (seq.slot, 5)
+    (run,) = policy.schedule().batch.runs
+    assert run.start == 5 and run.token_ids == (9, 9)
+    # an identical prompt still recomputes its last token, whose logits pick the reply
+    same, _ = make_sub([5, 6, 7])
+    s3 = Sequence(same)
+    policy.admit(s3)
+    assert s3.prefix_rows == 0  # the other slot holds nothing; slot 0 is busy
+
+
+def test_loop_streams_tokens_and_stops_at_eos_and_length():
+    async def main():
+        engine = FakeEngine()
+        sched = Scheduler(engine, Policy(SlotTable(2)), run_step=inline)
+        tx, rx = trio.open_memory_channel(4)
+        a, a_rx = make_sub([1, 2, 3], max_tokens=3, rid="a")  # 4, 5, 6: length
+        b, b_rx = make_sub([97, 98, 0], max_tokens=9, rid="b")  # 1, 2=EOS: stop
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run, rx)
+            await tx.send(a)
+            await tx.send(b)
+            got_a = [e async for e in a_rx]
+            got_b = [e async for e in b_rx]
+            await tx.aclose()
+        assert [e.token_id for e in got_a] == [4, 5, 6]
+        assert got_a[-1].finish is FinishReason.LENGTH
+        assert [e.token_id for e in got_b] == [1, None]
+        assert got_b[-1].finish is FinishReason.STOP
+        # both were in flight together at some step
+        assert max(len(b.runs) for b in engine.batches) == 2
+
+    trio.run(main)
+
+
+def test_closing_the_receive_end_frees_the_slot_within_one_step():
+    async def main():
+        engine = FakeEngine()
+        slots = SlotTable(1)
+        sched = Scheduler(engine, Policy(slots), run_step=inline)
+        tx, rx = trio.open_memory_channel(4)
+        sub, events = make_sub([1], max_tokens=50, stop=frozenset())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run, rx)
+            await tx.send(sub)
+            await events.receive()
+            steps = len(engine.batches)
+            events.close()  # the client went away
+            with trio.fail_after(5):
+                while slots.num_free == 0:
+                    await trio.sleep(0)
+            assert len(engine.batches) - steps <= 2
+            # the next request gets the slot
+            sub2, events2 = make_sub([7], max_tokens=1, rid="n")
+            await tx.send(sub2)
+            assert [e.token_id async for e in events2] == [8]
+            await tx.aclose()
+
+    trio.run(main)
+
+
+def test_engine_failure_answers_every_request_with_an_error():
+    class Broken(FakeEngine):
+        def step(self, batch):
+            raise RuntimeError("boom")
+
+    async def main():
+        sched = Scheduler(Broken(), Policy(SlotTable(1)), run_step=inline)
+        tx, rx = trio.open_memory_channel(4)
+        a, a_rx = make_sub([1], rid="a")
+        b, b_rx = make_sub([1], rid="b")
+        await tx.send(a)
+        await tx.send(b)  # still queued when the engine fails
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run, rx)
+            ea = [e async for e in a_rx]
+            eb = [e async for e in b_rx]
+        assert ea[-1].finish is FinishReason.ERROR and "boom" in ea[-1].error
+        assert eb[-1].finish is FinishReason.ERROR
+        assert sched.failed and "boom" in sched.failed
+        # the request channel is closed: new submissions see a broken channel (503)
+        try:
+            tx.send_nowait(make_sub([1])[0])
+        except trio.BrokenResourceError:
+            pass
+        else:
+            raise AssertionError("send after failure should fail")
+
+    trio.run(main)
