@@ -45,8 +45,9 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     @app.errorhandler(HTTPException)
     async def http_error(err: HTTPException):
         status = err.code or 500
-        messages = {413: f"the request body is over {MAX_BODY // 2**20} MiB",
-                    404: "no such route", 405: "method not allowed on this route"}
+        if status == 413:
+            return error_response(ApiError.body_too_large(MAX_BODY))
+        messages = {404: "no such route", 405: "method not allowed on this route"}
         return error_response(ApiError(status, messages.get(status, err.description or err.name), None))
 
     @app.errorhandler(Exception)

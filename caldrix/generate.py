@@ -73,12 +73,12 @@ def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tupl
     return rx
 
 
-async def pieces(rx: trio.MemoryReceiveChannel[TokenEvent], tokenizer, stops: tuple[str, ...]) -> AsyncIterator[Piece]:
+async def pieces(rx: trio.MemoryReceiveChannel[TokenEvent], tokenizer, stops: tuple[str, ...], *, prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[Piece]:
     """Turn token events into text pieces: UTF-8-safe, with stop strings held back and cut.
 
     Closes rx when done or when the caller stops iterating. The last piece carries finish.
     Raises EngineFailed if the engine fails mid-way."""
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
     matcher = StopMatcher(stops)
     with rx:
         async for event in rx:

