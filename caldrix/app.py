@@ -27,7 +27,7 @@ def error_response(err: ApiError) -> Response:
 
 
 def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
-    from caldrix.routes import completions, health
+    from caldrix.routes import completions, debug, health
 
     app = QuartTrio("caldrix")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
@@ -37,6 +37,7 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     app.extensions["caldrix"] = (rt, submit_tx)
     app.register_blueprint(health.bp)
     app.register_blueprint(completions.bp)
+    app.register_blueprint(debug.bp)  # /metrics, /debug/*, and the response counter
 
     @app.errorhandler(ApiError)
     async def api_error(err: ApiError):
@@ -46,7 +47,12 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     async def http_error(err: HTTPException):
         status = err.code or 500
         if status == 413:
-            return error_response(ApiError.body_too_large(MAX_BODY))
+            # Refused before the body is read: the unread rest of it is still on the wire, so
+            # the connection cannot carry another request. Close it, or a keep-alive client's
+            # next request on it hangs.
+            resp = error_response(ApiError.body_too_large(MAX_BODY))
+            resp.headers["Connection"] = "close"
+            return resp
         messages = {404: "no such route", 405: "method not allowed on this route"}
         return error_response(ApiError(status, messages.get(status, err.description or err.name), None))
 

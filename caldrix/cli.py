@@ -92,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch", help="download a registry model or a repo id into the Hugging Face cache")
     fetch.add_argument("model", metavar="MODEL")
     sub.add_parser("models", help="list the model registry")
+
+    replay = sub.add_parser("replay", help="replay a trace from the replay ring against a running server")
+    replay.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines, as GET /debug/trace exports)")
+    replay.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the server (default %(default)s)")
+    replay.add_argument("--concurrency", type=_int_at_least(1), default=None,
+                        help="requests in flight at most (default: as the trace's arrivals come)")
+    replay.add_argument("--speed", type=_float_in(lambda v: v > 0, "a number > 0"), default=1.0,
+                        help="divide the arrival offsets by this (default 1)")
+    replay.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
+    replay.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     return parser
 
 
@@ -155,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             from caldrix.models.commands import list_models
 
             return list_models()
+        if args.command == "replay":
+            from caldrix.replay import main as replay_main
+
+            return replay_main(args.trace, args.url, concurrency=args.concurrency, speed=args.speed,
+                               limit=args.limit, as_json=args.json)
     except ModelNotFound as exc:
         print(f"caldrix: {exc}", file=sys.stderr)
         return 1

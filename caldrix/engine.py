@@ -97,7 +97,7 @@ class Engine:
         tokens = [0] * S
         positions = [0] * S
         write = [C] * S  # idle slots write their scratch row
-        lengths = [1] * S
+        lengths = [0] * S
         for r in runs:
             tokens[r.slot], positions[r.slot], write[r.slot], lengths[r.slot] = r.token_ids[0], r.start, r.start, r.start + 1
         at = Attend("decode", tuple(range(S)), torch.tensor(positions), torch.tensor(write), tuple(lengths))

@@ -8,6 +8,7 @@ No dicts, JSON or tensors cross this boundary.
 from __future__ import annotations
 
 import enum
+import time
 from typing import TYPE_CHECKING
 
 import attrs
@@ -85,6 +86,8 @@ class Submission:
     read_ids: tuple[int, ...] = ()
     # Image requests never reuse held prompt rows and leave none behind.
     reuse_prefix: bool = True
+    # When the route handed it over (monotonic seconds): queue time and TTFT count from here.
+    arrived: float = attrs.field(factory=time.monotonic)
 
     @property
     def is_read_only(self) -> bool:

@@ -9,6 +9,7 @@ import attrs
 
 from caldrix.config import ServeConfig
 from caldrix.sched.loop import Scheduler
+from caldrix.telemetry import Telemetry
 
 
 @attrs.define(eq=False)
@@ -22,6 +23,18 @@ class Runtime:
     engine: object  # engine.Engine or host_engine.HostEngine: both have step(), context, vocab_size
     tokenizer: object  # tokenizer.Tokenizer
     scheduler: Scheduler
+    # The replay ring and the metrics (telemetry.py); fed by the scheduler's on_finish hook.
+    telemetry: Telemetry = attrs.field(default=attrs.Factory(lambda rt: rt._new_telemetry(), takes_self=True))
+
+    def __attrs_post_init__(self) -> None:
+        if self.scheduler.on_finish is None:
+            self.scheduler.on_finish = self.telemetry.on_finish
+
+    def _new_telemetry(self) -> Telemetry:
+        return Telemetry.create(self.served_name, self.cfg.replay_ring, lane=self.lane, dtype=self.dtype_name,
+                                max_batch=self.cfg.max_batch, prefill_chunk=self.cfg.prefill_chunk,
+                                context=getattr(self.engine, "context", None),
+                                vocab_size=getattr(self.engine, "vocab_size", None))
 
     @property
     def context(self) -> int:

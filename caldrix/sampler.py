@@ -12,8 +12,13 @@ The order is cli.md's: the repetition penalty, top-k, top-p, min-p, the temperat
     (`draw_uniform`): pure Python, the same on every machine, independent of torch's RNG and of
     the other requests in the batch.
 
-`pick` never sorts the whole vocabulary when top_k is set (torch.topk), and when it is not, it
-first ranks a prefix (`_FIRST_PREFIX` tokens) and ranks the rest only if the walk runs past it.
+Sums are 64-bit but their order is not part of the contract (torch.sum); on one machine and
+build every pick is deterministic, and an exact-arithmetic hand computation agrees unless u,
+top_p or min_p sits within rounding of a boundary.
+
+Cost: a small top_k ranks its k tokens with torch.topk. With top_k 0, `pick` ranks a prefix of
+`_FIRST_PREFIX` tokens and ranks the whole vocabulary (one radix sort of int32 keys) only if
+top-p, min-p or the walk reach past it; totals come from sums over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -70,14 +75,15 @@ def pick(
 ) -> int:
     """The next token for one position.
 
-    logits: [V] scores of one position (float32; never modified). seen_ids: the distinct token
-    ids of the prompt and the reply so far, needed only when params.repetition_penalty != 1.
-    draw_index: how many tokens this request has drawn before this one; a greedy pick uses
-    no draw.
+    logits: [V] scores of one position (float32, CPU or not; never modified). seen_ids: the
+    distinct token ids of the prompt and the reply so far, needed only when
+    params.repetition_penalty != 1 (None: nothing is penalized). draw_index: how many tokens
+    this request has drawn before this one, i.e. the token's index in the reply; it keys the
+    draw, so the pick does not depend on the rest of the batch. A greedy pick uses no draw.
     """
     r = _penalized(logits, params, seen_ids)
     if params.is_greedy:
-        return int(r.numel() - 1 - torch.argmax(r.flip(0)))
+        return int(torch.argmax(r))
     return _sample(r, params, draw_uniform(params.seed, draw_index))
 
 
@@ -122,15 +128,14 @@ def _ordered(vals: torch.Tensor) -> torch.Tensor:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip all but the sign bit
 
 
-def _ranked(r: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first k tokens of the rank order: their float32 logits and int64 ids."""
+def _ranked(r: torch.Tensor, k: int) -> torch.Tensor:
+    """The int64 ids of the first k tokens of the rank order."""
     n = r.numel()
     # torch.topk is quick while it can partial-sort (k + 1 <= n / 64); past that one radix sort
     # of the whole vocabulary is quicker.
     if k >= n or k + 1 > max(n // 64, 64):
         # A stable sort keeps equal values in id order; on integers it is a radix sort.
-        ids = torch.sort(-_ordered(r), stable=True).indices[:k]
-        return r[ids], ids
+        return torch.sort(-_ordered(r), stable=True).indices[:k]
     vals, ids = torch.topk(r, k + 1)
     cut = vals[k - 1]
     if bool(vals[k] == cut):
@@ -139,19 +144,20 @@ def _ranked(r: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         above = (r > cut).nonzero().squeeze(1)
         tied = (r == cut).nonzero().squeeze(1)[: k - above.numel()]
         ids = torch.cat([above, tied])
+        vals = r[ids]
     else:
-        ids = ids[:k]
+        ids, vals = ids[:k], vals[:k]
     # Order the k by (value descending, id ascending): one sort of unique int64 keys.
-    keys = -_ordered(r[ids]).to(torch.int64) * (1 << 32) + ids
-    ids = torch.sort(keys).values & _LOW32
-    return r[ids], ids
+    keys = -_ordered(vals).to(torch.int64) * (1 << 32) + ids
+    return torch.sort(keys).values & _LOW32
 
 
 def _sample(r: torch.Tensor, params: SamplingParams, u: float | None):
     """Token drawn with u, or (ids, probabilities) of every survivor when u is None."""
     vocab = r.numel()
     top_k = params.top_k if 0 < params.top_k < vocab else vocab
-    top_p, min_p, temperature = params.top_p, params.min_p, params.temperature
+    top_p, temperature = params.top_p, params.temperature
+    min_p = min(params.min_p, 1.0)  # above 1 nothing would survive; routes/ refuses it anyway
     m = float(r.max())
     if not math.isfinite(m):  # no finite top logit: nothing to weigh, take the top one
         top = int(torch.argmax(r))
@@ -165,18 +171,18 @@ def _sample(r: torch.Tensor, params: SamplingParams, u: float | None):
         e_full = torch.exp(d_full) if (top_p < 1.0 or min_p > 0.0) else None
         z = float(e_full.sum()) if top_p < 1.0 else 0.0
         n_min = int((e_full >= min_p).sum()) if min_p > 0.0 else vocab
-        w_total_full: float | None = None
+        w_full: torch.Tensor | None = None
         k = vocab if u is None else min(vocab, _FIRST_PREFIX)
     else:
         k = top_k
 
     while True:
-        vals, ids = _ranked(r, k)
+        ids = _ranked(r, k)
         if whole:
-            d = d_full[ids]
+            d = None  # gathered from d_full for the survivors only
             e = e_full[ids] if e_full is not None else None
         else:
-            d = vals.double().sub_(m)
+            d = r[ids].double().sub_(m)
             e = torch.exp(d)
             z = float(e.sum())
         ranked_all = k == top_k  # the prefix holds every top-k survivor
@@ -196,25 +202,27 @@ def _sample(r: torch.Tensor, params: SamplingParams, u: float | None):
         if min_p > 0.0:
             sel = (e[:n] >= min_p).nonzero().squeeze(1)
             complete = complete or sel.numel() == n_min
-            ids_s, d_s = ids[sel], d[sel]
+            ids_s = ids[sel]
         else:
-            ids_s, d_s = ids[:n], d[:n]
+            sel = None
+            ids_s = ids[:n]
 
         # The temperature: w = exp((l - m) / T) over the survivors, over their sum.
-        if complete and (not whole or w_total_full is None):
+        # Once a whole-vocabulary total exists it stays the one used, so a longer prefix
+        # ranked after a short one walks the same weights.
+        if complete and not (whole and w_full is not None):
             if temperature == 1.0 and e is not None:
-                w = e[sel] if min_p > 0.0 else e[:n]
+                w = e[:n] if sel is None else e[sel]
             else:
+                d_s = d_full[ids_s] if whole else (d[:n] if sel is None else d[sel])
                 w = torch.exp(d_s / temperature)
             w_total = float(w.sum())
         else:
-            # Survivors lie past the prefix: the total comes from the whole vocabulary (and
-            # stays the one used when a longer prefix is ranked).
-            if w_total_full is None:
-                if temperature == 1.0 and e_full is not None:
-                    w_full = e_full.clone()
-                else:
-                    w_full = torch.exp(d_full / temperature)
+            # Survivors lie past the prefix: the total comes from the whole vocabulary.
+            if w_full is None:
+                w_full = e_full.clone() if temperature == 1.0 and e_full is not None else (
+                    torch.exp(d_full / temperature)
+                )
                 if min_p > 0.0:
                     w_full.masked_fill_(e_full < min_p, 0.0)
                 w_total_full = float(w_full.sum())

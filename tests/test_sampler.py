@@ -32,6 +32,16 @@ CHI2_CRIT_999 = {  # chi-square quantile at 1 - ALPHA, by degrees of freedom
 KS_CRIT_999 = 1.9494746  # sqrt(n) * D exceeds this with probability ALPHA (asymptotic)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Picks on one thread: a [V] pick gains nothing from two, and on a busy machine every
+    parallel op waits for the other thread's time slice (the tests then take minutes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---- the reference -------------------------------------------------------------------------
 
 
@@ -463,4 +473,18 @@ def test_vocabulary_49152_against_reference():
             SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=6),
         ):
             s = seen if params.repetition_penalty != 1 else None
-            assert_picks_match(x, params, s, draws=10)
+            assert_picks_match(x, params, s, draws=20)
+
+
+def test_input_forms():
+    x = random_logits(64, 19)
+    p = SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.2, seed=8)
+    seen = torch.tensor([1, 2, 3])
+    want = [pick(x, p, seen, i) for i in range(50)]
+    wide = torch.stack([x, -x], dim=1)[:, 0]  # a strided view of the same values
+    assert not wide.is_contiguous()
+    assert [pick(wide, p, seen.to(torch.int32), i) for i in range(50)] == want
+    assert [pick(x.double(), p, seen, i) for i in range(50)] == want
+    assert torch.equal(wide, x)
+    with pytest.raises(ValueError):
+        pick(x.unsqueeze(0), p, seen, 0)

@@ -100,7 +100,8 @@ class Attend:
 
     Two forms, one per call:
     - decode: one row per slot, `slots` = all S slots in order, `positions` [S]; `lengths` [S]
-      is each row's visible key count (position + 1; 1 for an idle slot writing its scratch row).
+      is each row's visible key count (position + 1), 0 for an idle slot: its row only fills
+      the fixed-size batch and writes the slot's scratch row.
     - prefill: T rows of one slot at positions start..start+T-1 (`slots` = (slot,)).
     """
 
@@ -183,16 +184,16 @@ class Block(nn.Module):
             slots = torch.arange(len(at.slots))
             K[slots, :, at.write_rows] = k  # k: [S, G, E]
             V[slots, :, at.write_rows] = v
-            n = max(at.lengths)
-            mask = torch.arange(n).unsqueeze(0) < torch.tensor(at.lengths).unsqueeze(1)  # [S, n]
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2),  # [S, H, 1, E]
-                K[:, :, :n],
-                V[:, :, :n],
-                attn_mask=mask[:, None, None, :],
-                scale=scale,
-                enable_gqa=True,
-            )
+            out = q.new_zeros(T, h, e)
+            qs = q.unsqueeze(2)  # [S, H, 1, E]
+            # One call per active slot over exactly its own rows: a padded, masked batch
+            # would change the float reduction with the batch mates' lengths (measured in
+            # bf16), and a reply must not depend on who else is decoding.
+            for s, n in enumerate(at.lengths):
+                if n:
+                    out[s] = F.scaled_dot_product_attention(
+                        qs[s : s + 1], K[s : s + 1, :, :n], V[s : s + 1, :, :n], scale=scale, enable_gqa=True
+                    )[0, :, 0]
             return out.reshape(T, h * e)
         (slot,) = at.slots
         start = int(at.write_rows[0])

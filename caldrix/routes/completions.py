@@ -17,6 +17,7 @@ from caldrix.app import json_response
 from caldrix.generate import EngineFailed, EngineStopped, GenRequest, QueueFull, pieces, submit
 from caldrix.protocol import FinishReason
 from caldrix.routes import sse
+from caldrix.routes.debug import refuse, tracked
 from caldrix.routes.errors import ApiError
 from caldrix.routes.schemas import ModelLimits, parse_body, parse_chat, parse_completion, reply_budget
 from caldrix.tokenizer import ChatTemplateError
@@ -79,12 +80,14 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
     try:
         rx = submit(submit_tx, gen)
     except QueueFull:
+        refuse(rid, gen, 429, stream=req.stream)
         raise ApiError.queue_full() from None
     except EngineStopped:
+        refuse(rid, gen, 503, stream=req.stream)
         raise ApiError.engine_unavailable() from None
     chat = obj == "chat.completion"
     head = {"id": rid, "created": int(time.time()), "model": rt.served_name}
-    stream = pieces(rx, rt.tokenizer, req.stop, prompt_ids=ids)
+    stream = tracked(rid, pieces(rx, rt.tokenizer, req.stop, prompt_ids=ids), stream=req.stream)
     if req.stream:
         return Response(_sse(stream, head, chat, req, len(ids)), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

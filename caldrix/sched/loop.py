@@ -103,7 +103,8 @@ class Scheduler:
     def _admit(self, sub: Submission) -> None:
         seq = Sequence(sub)
         if sub.events.statistics().open_receive_channels == 0:
-            sub.events.close()  # the client left while queued
+            seq.finish = FinishReason.ABORT  # the client left while queued
+            self._closed(seq)
             return
         self.policy.admit(seq)
         seq.t_admitted = time.monotonic()
@@ -116,8 +117,10 @@ class Scheduler:
                 self._end(seq, FinishReason.ABORT)
 
     def _emit(self, seq: Sequence, event: TokenEvent, now: float) -> None:
-        if not seq.t_first_token and event.token_id is not None:
-            seq.t_first_token = now
+        if event.token_id is not None:
+            if not seq.t_first_token:
+                seq.t_first_token = now
+            seq.t_tokens.append(now)
         try:
             # Never blocks: the route opened the channel with room for max_tokens + 1 events.
             seq.sub.events.send_nowait(event)

@@ -28,6 +28,8 @@ class Sequence:
     # Timings, monotonic seconds, set by the loop; telemetry only.
     t_admitted: float = 0.0
     t_first_token: float = 0.0
+    # When each reply token was emitted (inter-token latency); at most max_tokens entries.
+    t_tokens: list[float] = attrs.Factory(list)
     batch_sizes: list[int] = attrs.Factory(list)
 
     @property

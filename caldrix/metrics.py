@@ -1,0 +1,132 @@
+"""The Prometheus collectors of one server, and their rendering for GET /metrics.
+
+Names follow vLLM's set (shared/research/peers.md, section 3) under a `caldrix:` prefix, so a
+dashboard written for vLLM reads caldrix by changing the prefix. Every series carries the
+`model_name` label, as vLLM's do.
+
+Each server owns a CollectorRegistry of its own (never prometheus_client's global one), so
+several servers can live in one process. Who updates what:
+
+- the telemetry hook (telemetry.py, called synchronously from the scheduler's on_finish and
+  from the routes) observes the latency histograms and moves the token and finish counters;
+- the app's after_request hook counts responses by handler, method and status, and refusals;
+- the running, waiting and KV-slot gauges are read at scrape time from Scheduler.statistics()
+  and the request channel's statistics(), by a collector of their own: nothing keeps a copy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from caldrix.sched.loop import SchedStats
+
+PREFIX = "caldrix:"
+
+# vLLM's bucket sets (vllm/v1/metrics/loggers.py), so histograms line up with its dashboards.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM starts at 10 ms; a small model on a CPU decodes faster than that, so two finer buckets lead.
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Queue, prefill and decode times are often far under 0.3 s here: finer buckets at the bottom.
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25) + REQUEST_BUCKETS
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+# Response status -> requests_rejected_total{reason}.
+REJECT_REASONS = {400: "invalid", 413: "too_large", 429: "queue_full", 503: "unavailable"}
+
+
+class _Live:
+    """Scrape-time gauges: calls `read()` during collect, so the values are never stale."""
+
+    def __init__(self, model_name: str, read: Callable[[], "SchedStats | None"]):
+        self.model_name = model_name
+        self.read = read
+
+    def collect(self):
+        stats = self.read()
+        if stats is None:
+            return
+        labels = ["model_name"]
+        value = [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        slots = stats.running + stats.free_slots
+        yield gauge("num_requests_running", "Requests holding a KV slot (being prefilled or decoded).", stats.running)
+        yield gauge("num_requests_waiting", "Requests queued for a KV slot (at most --queue-depth).", stats.waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV slots in use, 0 to 1.", stats.running / slots if slots else 0.0)
+        yield gauge("num_kv_slots", "KV slots (--max-batch), each holding --context rows.", slots)
+        yield gauge("kv_cache_held_rows", "Prompt rows kept in free slots for prefix reuse.", stats.held_rows)
+        steps = CounterMetricFamily(PREFIX + "engine_steps", "Forward passes (scheduler steps) run.", labels=labels)
+        steps.add_metric(value, stats.steps)
+        yield steps
+
+
+class Metrics:
+    """The collectors of one server. Update methods are plain calls, from the trio thread."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._read_live: Callable[[], object] = lambda: None
+        reg = self.registry
+        m = ["model_name"]
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=reg).labels(model_name)
+
+        def count(name, doc):
+            return Counter(PREFIX + name, doc, m, registry=reg).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first reply token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive reply tokens of a request.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to the end of the request.", REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to admission into a KV slot.", PHASE_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "Admission to first reply token.", PHASE_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "First reply token to the end of the request.", PHASE_BUCKETS)
+        self.prompt_size = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.reply_size = hist("request_generation_tokens", "Reply tokens generated per request.", TOKEN_BUCKETS)
+        self.prompt_tokens = count("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = count("generation_tokens", "Reply tokens generated.")
+        self.prefix_queries = count("prefix_cache_queries", "Prompt tokens looked up in the held KV rows (prompt tokens of admitted requests).")
+        self.prefix_hits = count("prefix_cache_hits", "Prompt rows reused from a held KV slot instead of being recomputed.")
+        self._success = Counter(PREFIX + "request_success", "Requests that reached the scheduler, by finish reason.",
+                                m + ["finished_reason"], registry=reg)
+        self._http = Counter(PREFIX + "http_requests", "HTTP responses by route, method and status code.",
+                             m + ["handler", "method", "status"], registry=reg)
+        self._rejected = Counter(PREFIX + "requests_rejected", "Requests refused before generating (400, 413, 429, 503).",
+                                 m + ["reason"], registry=reg)
+        for reason in ("stop", "length", "abort", "error"):  # present at zero from the start
+            self._success.labels(model_name, reason)
+        for reason in REJECT_REASONS.values():
+            self._rejected.labels(model_name, reason)
+        reg.register(_Live(model_name, lambda: self._read_live()))
+
+    def read_live_from(self, read: Callable[[], object]) -> None:
+        """Where the scrape-time gauges come from: a callable returning SchedStats (or None)."""
+        self._read_live = read
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def response(self, handler: str, method: str, status: int) -> None:
+        self._http.labels(self.model_name, handler, method, str(status)).inc()
+        reason = REJECT_REASONS.get(status)
+        if reason is not None:
+            self._rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST

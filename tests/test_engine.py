@@ -1,0 +1,196 @@
+"""The engine against the transformers reference: tiny random llama and qwen3 models built here,
+and the real embedded SmolLM2. Also batch invariance and the host lane."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from caldrix.engine import Engine, resolve_dtype
+from caldrix.models.decoder import Attend, KVCache, load_decoder
+from caldrix.protocol import FinishReason, SamplingParams, Submission
+from caldrix.sched.loop import Scheduler
+from caldrix.sched.policy import Policy
+from caldrix.sched.slots import SlotTable
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Water boils at a temperature of",
+    "My favourite food is",
+]
+
+
+def tiny_model(tmp_path_factory, arch: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1234)
+    Cfg, Model = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    cfg = Cfg(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+              tie_word_embeddings=arch == "qwen3", rope_theta=10000.0)
+    model = Model(cfg).eval()
+    path = tmp_path_factory.mktemp(f"tiny-{arch}")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    return tiny_model(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def all_logits(path, ids: list[int], chunk: int) -> torch.Tensor:
+    """Our fp32 logits at every prompt position, prefilled in chunks of `chunk` into slot 1."""
+    model = load_decoder(path, torch.float32)
+    model.setup_rope(len(ids))
+    kv = KVCache(model.cfg, 2, len(ids), torch.float32, "cpu")
+    out = []
+    with torch.inference_mode():
+        for s in range(0, len(ids), chunk):
+            e = min(s + chunk, len(ids))
+            at = Attend("prefill", (1,), torch.arange(s, e), torch.arange(s, e))
+            out.append(model.logits(model(torch.tensor(ids[s:e]), at, kv)))
+    return torch.cat(out)
+
+
+def generate(engine, prompts: list[tuple[int, ...]], max_tokens: int, *, together: bool, chunk: int = 16,
+             stop: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Greedy replies through the real scheduler and engine (steps run inline, no thread)."""
+
+    async def inline(fn, batch):
+        await trio.lowlevel.checkpoint()
+        return fn(batch)
+
+    async def one_batch(group):
+        sched = Scheduler(engine, Policy(SlotTable(engine.max_batch), chunk=chunk, prefill_budget=chunk), run_step=inline)
+        tx, rx = trio.open_memory_channel(len(group))
+        streams = []
+        for i, ids in enumerate(group):
+            etx, erx = trio.open_memory_channel(max_tokens + 1)
+            tx.send_nowait(Submission(f"r{i}", ids, max_tokens, SamplingParams(), stop, etx))
+            streams.append(erx)
+        replies = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run, rx)
+            for erx in streams:
+                events = [e async for e in erx]
+                assert events[-1].finish in (FinishReason.LENGTH, FinishReason.STOP)
+                replies.append([e.token_id for e in events if e.token_id is not None])
+            await tx.aclose()
+        return replies
+
+    if together:
+        return trio.run(one_batch, prompts)
+    return [trio.run(one_batch, [p])[0] for p in prompts]
+
+
+def hf_greedy(model, ids: tuple[int, ...], n: int) -> list[int]:
+    """Plain greedy decoding with the transformers model: arg-max n times, no logits processors
+    (generate() would suppress EOS under min_new_tokens)."""
+    from transformers import DynamicCache
+
+    cache, out, step = DynamicCache(), [], list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([step]), past_key_values=cache, use_cache=True).logits
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            step = [token]
+    return out
+
+
+def test_tiny_logits_match_transformers(tiny):
+    path, ref = tiny
+    ids = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    for chunk in (64, 17):  # one pass, and chunks that end mid-way
+        got = all_logits(path, ids, chunk)
+        assert (got - want).abs().max().item() < 1e-4
+
+
+def test_tiny_greedy_matches_transformers(tiny):
+    path, ref = tiny
+    gen = torch.Generator().manual_seed(11)
+    prompts = [tuple(torch.randint(0, 512, (int(n),), generator=gen).tolist()) for n in torch.randint(3, 40, (8,), generator=gen)]
+    engine = Engine.load(path, dtype=torch.float32, max_batch=8, context=256)
+    got = generate(engine, prompts, 64, together=True)
+    for ids, reply in zip(prompts, got):
+        assert reply == hf_greedy(ref, ids, 64)
+
+
+def test_smollm2_logits_match_transformers(smollm2_dir, smollm2_reference):
+    ref, tok = smollm2_reference
+    text = " ".join(PROMPTS) * 3
+    ids = tok.encode(text)[:64]
+    assert len(ids) == 64
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    got = all_logits(smollm2_dir, ids, 24)
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_dir, smollm2_reference):
+    ref, tok = smollm2_reference
+    prompts = [tuple(tok.encode(p)) for p in PROMPTS]
+    engine = Engine.load(smollm2_dir, dtype=torch.float32, max_batch=8, context=256)
+    got = generate(engine, prompts, 64, together=True)
+    for ids, reply in zip(prompts, got):
+        assert reply == hf_greedy(ref, ids, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariance(smollm2_dir, smollm2_reference, dtype):
+    """8 different prompts decoded together give exactly the tokens each gives alone."""
+    _, tok = smollm2_reference
+    prompts = [tuple(tok.encode(p)) for p in PROMPTS]
+    engine = Engine.load(smollm2_dir, dtype=dtype, max_batch=8, context=256)
+    alone = generate(engine, prompts, 48, together=False)
+    together = generate(engine, prompts, 48, together=True)
+    same = sum(a == b for a, b in zip(alone, together))
+    assert same == len(prompts), f"{same}/{len(prompts)} identical"
+
+
+def test_eos_ends_a_reply(tiny):
+    path, ref = tiny
+    engine = Engine.load(path, dtype=torch.float32, max_batch=2, context=128)
+    ids = (5, 6, 7, 8)
+    free = hf_greedy(ref, ids, 10)
+    stop_at = free[3]
+    (reply,) = generate(engine, [ids], 10, together=True, stop=frozenset({stop_at}))
+    assert reply == free[: free.index(stop_at)]
+
+
+def test_host_lane_matches_engine(tiny):
+    from caldrix.host_engine import HostEngine
+
+    path, _ = tiny
+    prompts = [(1, 2, 3, 4, 5), (9, 8, 7)]
+    ours = generate(Engine.load(path, dtype=torch.float32, max_batch=1, context=128), prompts, 20, together=False)
+    host = generate(HostEngine(path, dtype=torch.float32, max_batch=1, context=128), prompts, 20, together=False)
+    assert ours == host
+
+
+def test_dtype_auto(monkeypatch):
+    import caldrix.engine as eng
+
+    monkeypatch.setattr(eng, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") is torch.bfloat16
+    monkeypatch.setattr(eng, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("auto", "cuda") is torch.bfloat16
+    assert resolve_dtype("float32", "cuda") is torch.float32

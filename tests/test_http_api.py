@@ -1,0 +1,841 @@
+"""The HTTP API against shared/spec/http-api.md, through a real `caldrix serve` process.
+
+Two servers for the whole module (each costs ~8 s to start on two cores):
+
+- `server`: the embedded SmolLM2-135M-Instruct as a float32 HF directory (`smollm2_dir`), with
+  `--dtype float32` so greedy output can be compared token for token with transformers. Most
+  tests share it; they keep max_tokens short, since decoding shares two cores with the tests.
+- `tight`: the same model with `--max-batch 1 --queue-depth 1 --served-name tight`, for the
+  queue-full 429, the freed slot after a disconnect, and (last, since it stops the server)
+  SIGTERM with a stream running.
+
+Clients: the official `openai` client (max_retries=0, so a 429 is seen, not retried) and httpx
+for raw bodies, status codes and server-sent events.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_harness import ServerProcess
+
+openai = pytest.importorskip("openai")
+
+TIMEOUT = httpx.Timeout(120.0, connect=10.0)
+PROMPT = "The capital of France is"
+QUESTION = "What is the capital of France?"
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers and clients
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path):
+    srv = ServerProcess.start(smollm2_dir, "--dtype", "float32")
+    yield srv
+    status = srv.stop()
+    assert status == 0, f"the server exited with status {status}:\n{srv.stderr}"
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_dir: Path) -> str:
+    """The served name of a directory: the directory's name."""
+    return smollm2_dir.name
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def tight_holder(smollm2_dir: Path):
+    """A list holding the tight server, started on first use; stopped at the end if still up."""
+    holder: list[ServerProcess] = []
+    yield holder, smollm2_dir
+    for srv in holder:
+        if srv.alive:
+            srv.stop()
+
+
+@pytest.fixture
+def tight(tight_holder) -> ServerProcess:
+    """The `--max-batch 1 --queue-depth 1` server; a fresh one if the last was stopped."""
+    holder, model_dir = tight_holder
+    if not holder or not holder[-1].alive:
+        holder.append(ServerProcess.start(
+            model_dir, "--dtype", "float32", "--max-batch", "1", "--queue-depth", "1",
+            "--served-name", "tight",
+        ))
+    return holder[-1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="module")
+def vocab_size(smollm2_dir: Path) -> int:
+    return json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir: Path, tokenizer) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy reply ids) of PROMPT from transformers' own generate, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    hf.eval()
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=16, pad_token_id=tokenizer.eos_token_id,
+        )
+    del hf
+    return list(prompt_ids), out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def greedy(http, model) -> dict:
+    """The server's greedy /v1/completions reply to PROMPT, 16 tokens, with its token ids."""
+    r = http.post("/v1/completions", json={
+        "model": model, "prompt": PROMPT, "max_tokens": 16, "return_token_ids": True,
+    })
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The data of every server-sent event, JSON-decoded, with "[DONE]" kept as the string.
+
+    Checks the framing on the way: each event is one `data: ` line followed by a blank line.
+    """
+    events, blank_expected = [], False
+    for line in response.iter_lines():
+        if blank_expected:
+            assert line == "", f"an event is not followed by a blank line: {line!r}"
+            blank_expected = False
+            continue
+        assert line.startswith("data: "), f"not an SSE data line: {line!r}"
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+        blank_expected = True
+    return events
+
+
+def stream_post(client: httpx.Client, path: str, body: dict) -> list:
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read().decode()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r)
+
+
+def chunk_text(event: dict) -> str:
+    choice = event["choices"][0]
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice["text"]
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None, message: str | None = None,
+                 *, contains: str | None = None, type_: str | None = None) -> dict:
+    """The OpenAI error shape: {"error": {"message", "type", "param", "code"}}, nothing else."""
+    assert r.status_code == status, f"{r.status_code}: {r.text}"
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert err["param"] == param, err
+    assert err["code"] is None, err
+    expected_type = type_ or {400: "invalid_request_error", 413: "invalid_request_error",
+                              404: "not_found_error", 405: "invalid_request_error",
+                              429: "rate_limit_error"}.get(status)
+    if expected_type:
+        assert err["type"] == expected_type, err
+    if message is not None:
+        assert err["message"] == message, err
+    if contains is not None:
+        assert contains in err["message"], err
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# The openai client
+
+
+def test_models_list_gives_the_directory_name(oai, model):
+    models = oai.models.list()
+    assert [m.id for m in models.data] == [model]
+    assert models.data[0].object == "model"
+
+
+def test_chat_non_stream(oai, model):
+    r = oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
+    )
+    assert r.object == "chat.completion"
+    assert r.id.startswith("chatcmpl-")
+    assert r.model == model
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.index == 0
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.completion_tokens >= 1 and u.prompt_tokens > 10
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_chat_stream_with_usage_matches_non_stream(oai, model):
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = oai.chat.completions.create(model=model, messages=messages, max_tokens=12)
+    chunks = list(oai.chat.completions.create(
+        model=model, messages=messages, max_tokens=12, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    *body, last = chunks
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    # The final chunk is usage only, with no choices.
+    assert last.choices == []
+    assert last.usage is not None
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+    assert all(c.usage is None for c in body)
+    text = "".join(c.choices[0].delta.content or "" for c in body)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in body]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+
+
+def greedy_text(greedy: dict, tokenizer, n: int) -> str:
+    return tokenizer.decode(greedy["choices"][0]["token_ids"][:n], clean_up_tokenization_spaces=False)
+
+
+def test_completion_non_stream(oai, model, greedy, tokenizer):
+    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=8)
+    assert r.object == "text_completion"
+    assert r.id.startswith("cmpl-")
+    assert r.model == model
+    assert r.choices[0].index == 0
+    assert r.choices[0].text == greedy_text(greedy, tokenizer, 8)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens == greedy["usage"]["prompt_tokens"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_completion_stream_with_usage(oai, model, greedy, tokenizer):
+    chunks = list(oai.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, stream=True, stream_options={"include_usage": True},
+    ))
+    *body, last = chunks
+    assert all(c.object == "text_completion" for c in chunks)
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 8
+    assert last.usage.prompt_tokens == greedy["usage"]["prompt_tokens"]
+    assert "".join(c.choices[0].text for c in body) == greedy_text(greedy, tokenizer, 8)
+    assert body[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness against transformers
+
+
+def test_greedy_completion_equals_transformers_generate(greedy, reference, tokenizer):
+    prompt_ids, want = reference
+    choice = greedy["choices"][0]
+    assert greedy["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert choice["token_ids"] == want
+    assert choice["text"] == tokenizer.decode(want, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_token_id_prompt_is_the_same_prompt(http, model, greedy, reference):
+    prompt_ids, _ = reference
+    want = greedy["choices"][0]["token_ids"]
+    # The ids themselves, and a batch of one (its single prompt), shorter to save time.
+    for prompt, n in ((prompt_ids, 16), ([prompt_ids], 4)):
+        r = http.post("/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": n, "return_token_ids": True,
+        })
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["token_ids"] == want[:n]
+        assert greedy["choices"][0]["text"].startswith(body["choices"][0]["text"])
+        assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    r = http.post("/v1/completions", json={"model": model, "prompt": [[1], [2]], "max_tokens": 1})
+    assert_error(r, 400, "prompt", contains="one prompt a request")
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec's curl examples, adapted to this model
+
+
+def test_spec_example_chat(http, model):
+    r = http.post("/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16,
+    })
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"choices", "created", "id", "model", "object", "usage"}
+    assert body["object"] == "chat.completion" and body["model"] == model
+    assert isinstance(body["created"], int) and abs(body["created"] - time.time()) < 600
+    (choice,) = body["choices"]
+    assert set(choice) == {"finish_reason", "index", "message"}
+    assert set(choice["message"]) == {"content", "role"}
+    assert choice["message"]["content"] == "The capital of France is Paris."
+    assert choice["finish_reason"] == "stop"  # the model's end of sequence, before 16 tokens
+    assert body["usage"]["completion_tokens"] < 16
+
+
+def test_spec_example_streamed_chat_max_tokens_2(http, model):
+    events = stream_post(http, "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2,
+        "stream": True,
+    })
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(set(c) == {"choices", "created", "id", "model", "object"} for c in chunks)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    *content, final = chunks
+    assert final["choices"] == [{"delta": {}, "finish_reason": "length", "index": 0}]
+    assert 1 <= len(content) <= 2
+    for c in content:
+        assert c["choices"][0]["finish_reason"] is None
+        assert set(c["choices"][0]["delta"]) == {"content"}
+    assert "".join(chunk_text(c) for c in content) == "The capital"
+
+
+def test_spec_example_top_p_2(http, model):
+    r = http.post("/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "top_p": 2,
+    })
+    assert r.status_code == 400
+    assert r.json() == {"error": {"code": None, "message": "must be 0 < p <= 1, got 2",
+                                  "param": "top_p", "type": "invalid_request_error"}}
+
+
+def test_healthz_and_health(http):
+    for path in ("/healthz", "/health"):
+        r = http.get(path)
+        assert r.status_code == 200 and r.text == "ok"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: every row of the spec
+
+
+def post_raw(http, path: str, content: bytes) -> httpx.Response:
+    return http.post(path, content=content, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("raw, param, contains", [
+    (b'{"model": ', None, "not valid JSON"),
+    (b"", None, "empty"),
+    (b"[1, 2]", None, "must be a JSON object"),
+    (b'{"prompt": NaN}', None, None),
+    (b"\xff\xfe{}", None, "not UTF-8"),
+    (b'{"model": "M", "model": "M", "prompt": "x"}', "model", 'duplicate key "model"'),
+    (b'{"prompt": "x", "stream_options": {"include_usage": true, "include_usage": false}}',
+     "stream_options.include_usage", "duplicate key"),
+])
+def test_malformed_bodies(http, raw, param, contains):
+    assert_error(post_raw(http, "/v1/completions", raw), 400, param, contains=contains)
+
+
+def test_duplicate_key_inside_a_message(http, model):
+    raw = ('{"model": "%s", "messages": [{"role": "user", "role": "system", "content": "hi"}]}'
+           % model).encode()
+    assert_error(post_raw(http, "/v1/chat/completions", raw), 400, "messages[0].role",
+                 contains="duplicate key")
+
+
+WRONG_TYPES = [
+    ("/v1/completions", {"max_tokens": "16"}, "max_tokens", "must be an integer, got string"),
+    ("/v1/completions", {"max_tokens": 16.0}, "max_tokens", "must be an integer, got number 16.0"),
+    ("/v1/completions", {"max_tokens": True}, "max_tokens", "must be an integer, got boolean"),
+    ("/v1/completions", {"stream": 1}, "stream", "must be a boolean, got number"),
+    ("/v1/completions", {"temperature": "hot"}, "temperature", "must be a number, got string"),
+    ("/v1/completions", {"seed": 2.5}, "seed", "must be an integer, got number 2.5"),
+    ("/v1/completions", {"return_token_ids": "yes"}, "return_token_ids", "must be a boolean"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "must be a string or an array of token ids"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt", "must be a token id"),
+    ("/v1/completions", {"model": 7}, "model", "must be a string, got number"),
+    ("/v1/completions", {"stop": 3}, "stop", "must be a string or an array of strings"),
+    ("/v1/completions", {"user": 3}, "user", "must be a string"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages", "must be an array of messages"),
+    ("/v1/chat/completions", {"messages": [{"role": 1, "content": "hi"}]}, "messages[0].role",
+     "must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "must be a string or an array of content parts"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "must be a boolean"),
+]
+
+
+def base_body(path: str, model: str) -> dict:
+    if path == "/v1/completions":
+        return {"model": model, "prompt": "Hi", "max_tokens": 1}
+    return {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+
+
+@pytest.mark.parametrize("path, fields, param, contains", WRONG_TYPES)
+def test_wrong_types(http, model, path, fields, param, contains):
+    body = {**base_body(path, model), **fields}
+    assert_error(http.post(path, json=body), 400, param, contains=contains)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_and_missing_model(http, model, path):
+    body = base_body(path, model)
+    err = assert_error(http.post(path, json={**body, "model": "gpt-4o"}), 400, "model")
+    assert "gpt-4o" in err["message"] and model in err["message"]
+    del body["model"]
+    assert_error(http.post(path, json=body), 400, "model", contains="required")
+
+
+def test_prompt_on_chat_and_messages_on_completions(http, model):
+    chat = {**base_body("/v1/chat/completions", model), "prompt": "Hi"}
+    assert_error(http.post("/v1/chat/completions", json=chat), 400, "prompt",
+                 "prompt is refused here; send messages")
+    comp = {**base_body("/v1/completions", model), "messages": [{"role": "user", "content": "Hi"}]}
+    assert_error(http.post("/v1/completions", json=comp), 400, "messages", contains="messages is refused here")
+
+
+NOT_IMPLEMENTED = [  # (field, a non-neutral value, the neutral values)
+    ("n", 2, [1]),
+    ("presence_penalty", 0.5, [0, 0.0]),
+    ("frequency_penalty", 1, [0]),
+    ("top_logprobs", 2, [0]),
+    ("best_of", 2, [1]),
+    ("logprobs", True, [False, 0]),
+    ("logit_bias", {"42": 5}, [{}]),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], [[]]),
+    ("tool_choice", "auto", ["none"]),
+    ("response_format", {"type": "json_object"}, [{"type": "text"}]),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field, value, neutral", NOT_IMPLEMENTED, ids=[f[0] for f in NOT_IMPLEMENTED])
+def test_not_implemented_fields_refused(http, model, path, field, value, neutral):
+    err = assert_error(http.post(path, json={**base_body(path, model), field: value}), 400, field)
+    assert err["message"].startswith(f"{field} is not supported by this server")
+    # Another type is refused too: only the neutral value (or null) passes.
+    assert_error(http.post(path, json={**base_body(path, model), field: "x"}), 400, field)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_not_implemented_fields_accepted_at_neutral_and_null(http, model, path):
+    # On completions each field alone at each neutral value; on both, all of them at once
+    # and all of them null. One token each.
+    bodies = []
+    if path == "/v1/completions":
+        bodies = [{field: v} for field, _, neutral in NOT_IMPLEMENTED for v in neutral]
+    bodies.append({field: neutral[0] for field, _, neutral in NOT_IMPLEMENTED})
+    bodies.append({field: None for field, _, _ in NOT_IMPLEMENTED})
+    for extra in bodies:
+        r = http.post(path, json={**base_body(path, model), **extra})
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_unknown_fields_seed_and_user_accepted(http, model):
+    body = {**base_body("/v1/completions", model), "seed": 7, "user": "u", "echo": False,
+            "metadata": {"a": 1}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+def test_image_part_on_text_model(http, model):
+    messages = [
+        {"role": "user", "content": "Hello"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Describe this image."},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo=", "detail": "low"}},
+        ]},
+    ]
+    r = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1})
+    assert_error(r, 400, "messages[1].content[1]", "this model takes text only")
+
+
+def test_image_placeholder_typed_into_text(http, model):
+    r = http.post("/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "look: <image>"}], "max_tokens": 1})
+    err = assert_error(r, 400, "messages[0].content")
+    assert err["message"].startswith("image placeholder count")
+    r = http.post("/v1/chat/completions", json={"model": model, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "<image>"}]}]})
+    err = assert_error(r, 400, "messages[0].content[1]")
+    assert err["message"].startswith("image placeholder count")
+
+
+@pytest.mark.parametrize("part, contains", [
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, 'content part type "input_audio"'),
+    ({"text": "no type"}, 'needs a "type"'),
+    ({"type": "text"}, 'a text part needs "text" as a string'),
+    ({"type": "text", "text": 5}, 'a text part needs "text" as a string'),
+    ("just a string", "a content part must be an object"),
+    ({"type": 3}, "must be a string"),
+])
+def test_bad_content_part(http, model, part, contains):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    r = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1})
+    assert_error(r, 400, "messages[0].content[1]", contains=contains)
+
+
+def test_text_parts_are_accepted(http, model):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                             {"type": "text", "text": "of France?"}]}]
+    r = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([], "messages"),
+    ([{"role": "user", "content": "hi"}] * 257, "messages"),
+    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    (["hi"], "messages[0]"),
+])
+def test_bad_messages(http, model, messages, param):
+    r = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1})
+    assert_error(r, 400, param)
+
+
+@pytest.mark.parametrize("stop, contains", [
+    (["a", "b", "c", "d", "e"], "at most 4"),
+    ("x" * 257, "257 bytes"),
+    (["ok", "é" * 129], "stop[1] is 258 bytes"),
+    ("", "0 bytes"),
+    ([1], "stop[0] must be a string"),
+])
+def test_stop_limits(http, model, stop, contains):
+    r = http.post("/v1/completions", json={**base_body("/v1/completions", model), "stop": stop})
+    assert_error(r, 400, "stop", contains=contains)
+
+
+def test_stop_limits_at_the_edge_are_accepted(http, model):
+    stop = ["a", "b", "c", "é" * 128]  # four strings, the last 256 bytes
+    r = http.post("/v1/completions", json={**base_body("/v1/completions", model), "stop": stop})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_max_tokens_zero(http, model, path, field):
+    body = {**base_body(path, model)}
+    del body["max_tokens"]
+    body[field] = 0
+    assert_error(http.post(path, json=body), 400, field, "must be an integer >= 1, got 0")
+
+
+def test_max_tokens_disagreeing(http, model):
+    body = {**base_body("/v1/completions", model), "max_completion_tokens": 2}
+    assert_error(http.post("/v1/completions", json=body), 400, "max_completion_tokens", contains="disagree")
+
+
+def test_prompt_too_long_for_the_context(http, server, model):
+    ctx = server.context
+    r = http.post("/v1/completions", json={"model": model, "prompt": [42] * ctx, "max_tokens": 1})
+    assert_error(r, 400, "prompt", contains=f"the context holds {ctx}")
+    # A text prompt past the context, and chat messages past it.
+    long_text = "hello " * (ctx + 100)
+    r = http.post("/v1/completions", json={"model": model, "prompt": long_text, "max_tokens": 1})
+    assert_error(r, 400, "prompt", contains="leaves no room for a reply")
+    r = http.post("/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": long_text}], "max_tokens": 1})
+    assert_error(r, 400, "messages", contains="leaves no room for a reply")
+
+
+@pytest.mark.parametrize("bad", ["vocab", -1])
+def test_token_ids_out_of_vocabulary(http, model, vocab_size, bad):
+    tid = vocab_size if bad == "vocab" else bad
+    r = http.post("/v1/completions", json={"model": model, "prompt": [1, 2, tid], "max_tokens": 1})
+    err = assert_error(r, 400, "prompt")
+    assert f"prompt[2] is token id {tid}, outside the vocabulary (0 to {vocab_size - 1})" == err["message"]
+
+
+@pytest.mark.parametrize("prompt", ["", [], ["a", "b"]])
+def test_bad_prompts(http, model, prompt):
+    r = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+    assert_error(r, 400, "prompt")
+
+
+def test_body_over_4_mib_is_413(http, model):
+    pad = "x" * (4 * 2**20)
+    body = json.dumps({"model": model, "prompt": "hi", "pad": pad}).encode()
+    assert len(body) > 4 * 2**20
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = post_raw(http, path, body)
+        assert_error(r, 413, None, "the request body is over 4 MiB")
+
+
+def test_body_just_under_4_mib_is_read(http, model):
+    body = {"model": model, "prompt": "hi", "max_tokens": 0}
+    raw = json.dumps(body).encode()
+    body["pad"] = "x" * (4 * 2**20 - len(raw) - 20)
+    raw = json.dumps(body).encode()
+    assert len(raw) <= 4 * 2**20
+    # Read whole and validated: the refusal is max_tokens', not the body size's.
+    assert_error(post_raw(http, "/v1/completions", raw), 400, "max_tokens")
+
+
+def test_unknown_route_is_404_and_wrong_method_405(http):
+    assert_error(http.get("/v1/nope"), 404, None)
+    assert_error(http.post("/v1/embeddings", json={}), 404, None)
+    err = assert_error(http.get("/v1/completions"), 405, None)
+    assert "method" in err["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation behaviour
+
+
+def test_stop_string_across_a_token_boundary(http, model, greedy, tokenizer):
+    ids = greedy["choices"][0]["token_ids"]
+    reply = greedy["choices"][0]["text"]
+    pieces = [tokenizer.decode(ids[:i], clean_up_tokenization_spaces=False) for i in range(len(ids) + 1)]
+    stop = cut = None
+    # A stop string of the last two characters of one token's text and the first two of the
+    # next's, whose first occurrence in the reply is that one.
+    for i in range(2, len(ids) - 1):
+        left, right = pieces[i], pieces[i + 1]
+        if len(left) - len(pieces[i - 1]) < 2 or len(right) - len(left) < 2:
+            continue
+        candidate = left[-2:] + right[len(left):len(left) + 2]
+        if candidate.strip() and reply.find(candidate) == len(left) - 2:
+            stop, cut = candidate, len(left) - 2
+            break
+    assert stop is not None, f"no two-token stop string found in {reply!r}"
+    want = reply[:cut]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 16, "stop": ["@@never@@", stop]}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (want, "stop"), stop
+    events = stream_post(http, "/v1/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert "".join(chunk_text(c) for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(stop not in chunk_text(c) for c in chunks)
+
+
+def test_return_token_ids_on_choices_and_chunks(http, model, greedy):
+    want = greedy["choices"][0]["token_ids"]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 16, "return_token_ids": True, "stream": True}
+    events = stream_post(http, "/v1/completions", body)
+    chunks = events[:-1]
+    assert all("token_ids" in c["choices"][0] for c in chunks)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
+    # Without the flag, no token_ids anywhere.
+    body.update(return_token_ids=False, max_tokens=3)
+    chunks = stream_post(http, "/v1/completions", body)[:-1]
+    assert all("token_ids" not in c["choices"][0] for c in chunks)
+    r = http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+    assert "token_ids" not in r.json()["choices"][0]
+
+
+def test_chat_return_token_ids_and_ignore_eos(http, model, tokenizer):
+    messages = [{"role": "user", "content": QUESTION}]
+    plain = http.post("/v1/chat/completions", json={
+        "model": model, "messages": messages, "max_tokens": 12, "return_token_ids": True}).json()
+    choice = plain["choices"][0]
+    assert choice["finish_reason"] == "stop"  # the model ends its reply before 12 tokens
+    n = plain["usage"]["completion_tokens"]
+    # The end-of-sequence token ends the reply; it is neither counted nor returned.
+    assert n < 12 and len(choice["token_ids"]) == n
+    assert tokenizer.eos_token_id not in choice["token_ids"]
+    assert choice["message"]["content"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    # ignore_eos: the eos is an ordinary token and generation runs on to max_tokens.
+    cap = n + 2
+    r = http.post("/v1/chat/completions", json={
+        "model": model, "messages": messages, "max_tokens": cap, "return_token_ids": True,
+        "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == cap
+    assert len(r["choices"][0]["token_ids"]) == cap
+    assert r["choices"][0]["token_ids"][:n] == choice["token_ids"]
+    assert r["choices"][0]["token_ids"][n] == tokenizer.eos_token_id  # now an ordinary token
+    assert r["choices"][0]["message"]["content"].startswith(choice["message"]["content"])
+
+
+def test_multibyte_characters_in_streams(http, model, tokenizer):
+    """Japanese from this model comes as byte tokens that split characters. A stream holds a
+    split character back until its last byte arrives, so no chunk carries U+FFFD, and the
+    chunks joined are the decode of the whole reply."""
+    messages = [{"role": "user", "content": "How do you say 'thank you' in Japanese?"}]
+    body = {"model": model, "messages": messages, "max_tokens": 12, "return_token_ids": True,
+            "ignore_eos": True}
+    probe = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    ids = probe["token_ids"]
+    # Cut mid-character by max_tokens, the unfinished bytes come out as U+FFFD at the end.
+    assert probe["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=True)
+    # The longest prefix of the reply that ends on a whole character.
+    n = next((k for k in range(len(ids), 0, -1)
+              if not tokenizer.decode(ids[:k], skip_special_tokens=True).endswith("\ufffd")), 0)
+    text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+    if not any(ord(ch) > 127 for ch in text):
+        pytest.skip(f"the model did not answer with non-ASCII text: {text!r}")
+    assert "\ufffd" not in text
+    chunks = stream_post(http, "/v1/chat/completions", {**body, "max_tokens": n, "stream": True})[:-1]
+    deltas = [chunk_text(c) for c in chunks]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas), deltas
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids[:n]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # Where a character's bytes spanned tokens, its chunk carries more than one token id.
+    if any("\ufffd" in tokenizer.decode([t]) for t in ids[:n]):
+        assert any(len(c["choices"][0]["token_ids"]) > 1 for c in chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The server survives bad requests
+
+
+def test_bad_requests_never_take_the_server_down(http, model, server):
+    bads = [
+        (b'{"model": ', "/v1/completions"),
+        (b"\x00\x01\x02", "/v1/chat/completions"),
+        (json.dumps({"model": model, "prompt": [10**30]}).encode(), "/v1/completions"),
+        (json.dumps({"model": model, "prompt": "x", "seed": 10**40}).encode(), "/v1/completions"),
+        (b'{"model": "%s", "prompt": "x", "temperature": 1e400}' % model.encode(), "/v1/completions"),
+        (b'{"model": "%s", "prompt": "\\ud800"}' % model.encode(), "/v1/completions"),
+        (b"[" * 100_000, "/v1/completions"),
+        (json.dumps({"model": model, "messages": [{"role": "user", "content": [None]}]}).encode(),
+         "/v1/chat/completions"),
+    ]
+    for raw, path in bads:
+        r = post_raw(http, path, raw)
+        assert 400 <= r.status_code < 500, (raw[:60], r.status_code, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert server.alive
+    r = http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    assert "Traceback" not in server.stderr, server.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The tight server: queue full, disconnect, SIGTERM (last: it stops the server)
+
+
+def long_stream_body(model: str, max_tokens: int = 4000) -> dict:
+    return {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True}
+
+
+def first_event(response: httpx.Response) -> dict:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            return json.loads(line[len("data: "):])
+    raise AssertionError("the stream ended before its first event")
+
+
+def test_tight_models_list_gives_the_served_name(tight):
+    client = openai.OpenAI(base_url=tight.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tight"]
+    client.close()
+
+
+def test_queue_full_is_429(tight):
+    with httpx.Client(base_url=tight.url, timeout=TIMEOUT) as a_client, \
+            httpx.Client(base_url=tight.url, timeout=TIMEOUT) as b_client, \
+            httpx.Client(base_url=tight.url, timeout=TIMEOUT) as c_client:
+        with a_client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as a:
+            assert a.status_code == 200
+            first_event(a)  # running: it holds the only slot
+            with b_client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as b:
+                assert b.status_code == 200  # queued: the one place in the queue
+                c = c_client.post("/v1/completions", json={"model": "tight", "prompt": "hi", "max_tokens": 1})
+                assert_error(c, 429, None, "the request queue is full")
+                chat = c_client.post("/v1/chat/completions", json={
+                    "model": "tight", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                assert_error(chat, 429, None, "the request queue is full")
+                oai_client = openai.OpenAI(base_url=tight.url + "/v1", api_key="unused", max_retries=0)
+                with pytest.raises(openai.RateLimitError) as exc_info:
+                    oai_client.completions.create(model="tight", prompt="hi", max_tokens=1)
+                assert exc_info.value.status_code == 429
+                oai_client.close()
+    # Both streams closed. The scheduler notices within a step or so; until then the queue
+    # may still be full. Once it has, the queued stream must be gone as well: had it taken the
+    # slot, it would run 4000 tokens and this request would wait far past its 60 s.
+    deadline = time.monotonic() + 30
+    with httpx.Client(base_url=tight.url, timeout=httpx.Timeout(60.0)) as client:
+        while True:
+            r = client.post("/v1/completions", json={"model": "tight", "prompt": "hi", "max_tokens": 2})
+            if r.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+
+
+def test_disconnect_frees_the_slot(tight):
+    """With one slot, a new request can only run once the abandoned stream's slot is freed.
+    The abandoned stream asks for 4000 tokens, minutes of work on two cores, so a short
+    request that completes within 60 s proves it was cut off."""
+    with httpx.Client(base_url=tight.url, timeout=TIMEOUT) as client:
+        with client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen == 2:
+                        break
+        # Leaving the block closed the response; close the connection itself too.
+    with httpx.Client(base_url=tight.url, timeout=httpx.Timeout(60.0)) as client:
+        r = client.post("/v1/completions", json={"model": "tight", "prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_sigterm_with_a_running_stream_exits_0(tight):
+    with httpx.Client(base_url=tight.url, timeout=TIMEOUT) as client:
+        with client.stream("POST", "/v1/completions", json=long_stream_body("tight", max_tokens=8)) as r:
+            assert r.status_code == 200
+            events = [first_event(r)]
+            tight.terminate()
+            try:
+                events += sse_events(r)
+            except httpx.RemoteProtocolError:  # a clean end may also be the server closing
+                pass
+    status = tight.wait(60)
+    assert status == 0, f"exit status {status}:\n{tight.stderr}"
+    assert "SIGTERM received" in tight.stderr
+    # Here the stream finished: 8 tokens are well inside the graceful timeout.
+    assert events[-1] == "[DONE]", events[-3:]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert "".join(chunk_text(e) for e in events[:-1])
