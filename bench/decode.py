@@ -1,0 +1,135 @@
+"""Decode throughput: caldrix's engine against transformers generate, same model, one run.
+
+    .venv/bin/python bench/decode.py [--model MODEL] [--tokens 128] [--dtype auto] [--threads N]
+
+Prints single-stream greedy tok/s and aggregate tok/s at 8 concurrent sequences for both, and
+their ratios. The caldrix numbers go through the real scheduler and engine (steps inline, no
+HTTP), so they measure the engine and the step loop; the HTTP benchmark is bench/serve.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import trio  # noqa: E402
+
+from caldrix.engine import Engine, resolve_dtype  # noqa: E402
+from caldrix.models.source import resolve  # noqa: E402
+from caldrix.protocol import SamplingParams, Submission  # noqa: E402
+from caldrix.sched.loop import Scheduler  # noqa: E402
+from caldrix.sched.policy import Policy  # noqa: E402
+from caldrix.sched.slots import SlotTable  # noqa: E402
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle works to a child.",
+    "List some facts about the planet Mars.",
+    "Describe your ideal weekend in detail.",
+    "What are the benefits of learning a second language?",
+    "Give me a recipe for a simple tomato soup.",
+    "Why is the sky blue? Explain step by step.",
+    "Tell me about the history of the printing press.",
+]
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def caldrix_run(engine: Engine, prompts: list[list[int]], n: int) -> float:
+    """Seconds to decode n tokens for every prompt at once (prefill included)."""
+
+    async def inline(fn, batch):
+        await trio.lowlevel.checkpoint()
+        return fn(batch)
+
+    async def main():
+        sched = Scheduler(engine, Policy(SlotTable(engine.max_batch), chunk=256, prefill_budget=256), run_step=inline)
+        tx, rx = trio.open_memory_channel(len(prompts))
+        streams = []
+        for i, ids in enumerate(prompts):
+            etx, erx = trio.open_memory_channel(n + 1)
+            tx.send_nowait(Submission(f"b{i}", tuple(ids), n, SamplingParams(), frozenset(), etx))
+            streams.append(erx)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run, rx)
+            for erx in streams:
+                assert len([e async for e in erx]) == n
+            await tx.aclose()
+
+    t = time.perf_counter()
+    trio.run(main)
+    return time.perf_counter() - t
+
+
+def hf_run(model, tok, prompts: list[str], n: int) -> float:
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    dt = time.perf_counter() - t
+    assert out.shape[1] - enc["input_ids"].shape[1] == n
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    src = resolve(args.model)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    n = args.tokens
+    progress(f"model {src.served_name}, dtype {dtype}, {torch.get_num_threads()} threads, {n} tokens")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(src.path))
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    texts = [tok.decode(x) for x in ids]
+    rows: list[tuple[str, float, float]] = []
+
+    e1 = Engine.load(src.path, dtype=dtype, max_batch=1, context=1024)
+    caldrix_run(e1, ids[:1], 8)  # warm-up
+    progress("caldrix single stream")
+    c1 = n / caldrix_run(e1, ids[:1], n)
+    del e1
+    e8 = Engine.load(src.path, dtype=dtype, max_batch=8, context=1024)
+    caldrix_run(e8, ids, 8)
+    progress("caldrix 8 streams")
+    c8 = 8 * n / caldrix_run(e8, ids, n)
+    del e8
+
+    h1 = h8 = float("nan")
+    if not args.skip_hf:
+        model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=dtype).eval()
+        hf_run(model, tok, texts[:1], 8)
+        progress("transformers generate, single stream")
+        h1 = n / hf_run(model, tok, texts[:1], n)
+        progress("transformers generate, batch of 8")
+        h8 = 8 * n / hf_run(model, tok, texts, n)
+
+    print(f"\nSmolLM2 decode, {n} greedy tokens, dtype {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads")
+    print(f"{'':28}{'caldrix':>10}{'transformers':>14}{'ratio':>8}")
+    print(f"{'single stream tok/s':28}{c1:10.1f}{h1:14.1f}{c1 / h1:8.2f}")
+    print(f"{'8 streams aggregate tok/s':28}{c8:10.1f}{h8:14.1f}{c8 / h8:8.2f}")
+    print(f"{'caldrix 8 streams / single':28}{c8 / c1:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
