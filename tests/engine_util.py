@@ -1,0 +1,61 @@
+"""Shared by the engine tests: drive the real scheduler and engine, and a plain reference."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from caldrix.protocol import FinishReason, SamplingParams, Submission
+from caldrix.sched.loop import Scheduler
+from caldrix.sched.policy import Policy
+from caldrix.sched.slots import SlotTable
+
+
+def generate(engine, prompts: list[tuple[int, ...]], max_tokens: int, *, together: bool, chunk: int = 16,
+             stop: frozenset[int] = frozenset(), sampling: list[SamplingParams] | None = None) -> list[list[int]]:
+    """Replies through the real scheduler and engine (steps run inline, no thread); greedy
+    unless `sampling` gives each prompt its settings."""
+    sampling = sampling or [SamplingParams()] * len(prompts)
+
+    async def inline(fn, batch):
+        await trio.lowlevel.checkpoint()
+        return fn(batch)
+
+    async def one_batch(group, params):
+        sched = Scheduler(engine, Policy(SlotTable(engine.max_batch), chunk=chunk, prefill_budget=chunk), run_step=inline)
+        tx, rx = trio.open_memory_channel(len(group))
+        streams = []
+        for i, (ids, sp) in enumerate(zip(group, params)):
+            etx, erx = trio.open_memory_channel(max_tokens + 1)
+            tx.send_nowait(Submission(f"r{i}", ids, max_tokens, sp, stop, etx))
+            streams.append(erx)
+        replies = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run, rx)
+            for erx in streams:
+                events = [e async for e in erx]
+                assert events[-1].finish in (FinishReason.LENGTH, FinishReason.STOP)
+                replies.append([e.token_id for e in events if e.token_id is not None])
+            await tx.aclose()
+        return replies
+
+    if together:
+        return trio.run(one_batch, prompts, sampling)
+    return [trio.run(one_batch, [p], [sp])[0] for p, sp in zip(prompts, sampling)]
+
+
+def hf_greedy(model, ids: tuple[int, ...], n: int) -> list[int]:
+    """Plain greedy decoding with the transformers model: arg-max n times, no logits processors
+    (generate() would suppress EOS under min_new_tokens)."""
+    from transformers import DynamicCache
+
+    cache, out, step = DynamicCache(), [], list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([step]), past_key_values=cache, use_cache=True).logits
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            step = [token]
+    return out
+
+
