@@ -10,11 +10,13 @@ HTTP), so they measure the engine and the step loop; the HTTP benchmark is bench
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server sets it (caldrix/cli.py)
 
 import torch  # noqa: E402
 import trio  # noqa: E402

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# As caldrix/cli.py does, before torch loads: idle OpenMP threads must sleep, not spin, or the
+# test process and the server process it starts starve each other on a 2-core machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pathlib import Path
 
 import pytest

@@ -45,6 +45,7 @@ class ServerProcess:
         self.args = args
         self.url = f"http://127.0.0.1:{port}"  # the root; the API is under /v1
         self._lines: list[str] = []
+        self.exit_status_before_ready: int | None = None
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_stderr, daemon=True)
         self._reader.start()
@@ -89,9 +90,11 @@ class ServerProcess:
             if "address already in use" not in srv.stderr.lower():
                 break
         assert last is not None
+        why = (f"exited with status {last.exit_status_before_ready} before it was ready"
+               if last.exit_status_before_ready is not None
+               else f"was not ready within {timeout:.0f} s")
         pytest.fail(
-            f"caldrix serve did not become ready within {timeout:.0f} s "
-            f"(exit status {last.proc.returncode}); command: {' '.join(last.args)}\n"
+            f"caldrix serve {why}; command: {' '.join(last.args)}\n"
             f"--- server stderr ---\n{last.stderr}",
             pytrace=False,
         )
@@ -100,6 +103,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.exit_status_before_ready = self.proc.returncode
                 self._reader.join(timeout=5)
                 return False
             if LISTENING.search(self.stderr):

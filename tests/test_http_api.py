@@ -128,22 +128,25 @@ def greedy(http, model) -> dict:
 # Helpers
 
 
-def sse_events(response: httpx.Response) -> list:
-    """The data of every server-sent event, JSON-decoded, with "[DONE]" kept as the string.
+def iter_events(lines):
+    """The data of each server-sent event in `lines`, JSON-decoded ("[DONE]" as the string).
 
     Checks the framing on the way: each event is one `data: ` line followed by a blank line.
     """
-    events, blank_expected = [], False
-    for line in response.iter_lines():
+    blank_expected = False
+    for line in lines:
         if blank_expected:
             assert line == "", f"an event is not followed by a blank line: {line!r}"
             blank_expected = False
             continue
         assert line.startswith("data: "), f"not an SSE data line: {line!r}"
         data = line[len("data: "):]
-        events.append(data if data == "[DONE]" else json.loads(data))
+        yield data if data == "[DONE]" else json.loads(data)
         blank_expected = True
-    return events
+
+
+def sse_events(response: httpx.Response) -> list:
+    return list(iter_events(response.iter_lines()))
 
 
 def stream_post(client: httpx.Client, path: str, body: dict) -> list:
@@ -598,9 +601,27 @@ def test_body_over_4_mib_is_413(http, model):
     pad = "x" * (4 * 2**20)
     body = json.dumps({"model": model, "prompt": "hi", "pad": pad}).encode()
     assert len(body) > 4 * 2**20
+    # Twice on one keep-alive client, then a good request on it: the refused body's unread
+    # rest must not wedge the connection (the 413 closes it; the client opens a new one).
     for path in ("/v1/completions", "/v1/chat/completions"):
         r = post_raw(http, path, body)
         assert_error(r, 413, None, "the request body is over 4 MiB")
+        assert r.headers.get("connection") == "close"
+    assert http.get("/healthz", timeout=10).text == "ok"
+
+
+def test_chunked_body_over_4_mib_is_413(http, model):
+    """Without a Content-Length the limit is found while reading."""
+    def chunks():
+        yield b'{"model": "%s", "prompt": "hi", "pad": "' % model.encode()
+        for _ in range(5):
+            yield b"x" * 2**20
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert_error(r, 413, None, "the request body is over 4 MiB")
+    assert http.get("/healthz", timeout=10).text == "ok"
 
 
 def test_body_just_under_4_mib_is_read(http, model):
@@ -758,10 +779,7 @@ def long_stream_body(model: str, max_tokens: int = 4000) -> dict:
 
 
 def first_event(response: httpx.Response) -> dict:
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            return json.loads(line[len("data: "):])
-    raise AssertionError("the stream ended before its first event")
+    return next(iter_events(response.iter_lines()))
 
 
 def test_tight_models_list_gives_the_served_name(tight):
@@ -809,13 +827,9 @@ def test_disconnect_frees_the_slot(tight):
     with httpx.Client(base_url=tight.url, timeout=TIMEOUT) as client:
         with client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as r:
             assert r.status_code == 200
-            seen = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen == 2:
-                        break
-        # Leaving the block closed the response; close the connection itself too.
+            stream = iter_events(r.iter_lines())
+            assert [chunk_text(next(stream)) for _ in range(2)]
+        # Leaving the blocks closes the response and the client's connection mid-stream.
     with httpx.Client(base_url=tight.url, timeout=httpx.Timeout(60.0)) as client:
         r = client.post("/v1/completions", json={"model": "tight", "prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 200, r.text
@@ -826,10 +840,11 @@ def test_sigterm_with_a_running_stream_exits_0(tight):
     with httpx.Client(base_url=tight.url, timeout=TIMEOUT) as client:
         with client.stream("POST", "/v1/completions", json=long_stream_body("tight", max_tokens=8)) as r:
             assert r.status_code == 200
-            events = [first_event(r)]
+            stream = iter_events(r.iter_lines())
+            events = [next(stream)]
             tight.terminate()
             try:
-                events += sse_events(r)
+                events += list(stream)
             except httpx.RemoteProtocolError:  # a clean end may also be the server closing
                 pass
     status = tight.wait(60)
