@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_int_at_least(0), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument("--queue-depth", type=_int_at_least(0), default=64,
                        help="requests that may wait beyond those running; one more is a 429 (default 64)")
+    serve.add_argument("--graceful-timeout", type=_float_in(lambda v: v >= 0, "a number of seconds >= 0"), default=30.0,
+                       help="on SIGINT/SIGTERM, seconds running requests get to finish (default 30)")
     serve.add_argument("--replay-ring", type=_int_at_least(1), default=256, help="recent requests kept for /debug/requests")
     _engine_flags(serve)
 
@@ -134,6 +136,7 @@ def config_from(args: argparse.Namespace, model: str | None) -> ServeConfig:
         prefill_chunk=args.prefill_chunk,
         replay_ring=getattr(args, "replay_ring", 256),
         log_level=args.log_level,
+        graceful_timeout=getattr(args, "graceful_timeout", 30.0),
     )
 
 

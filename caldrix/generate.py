@@ -77,13 +77,16 @@ async def pieces(rx: trio.MemoryReceiveChannel[TokenEvent], tokenizer, stops: tu
     """Turn token events into text pieces: UTF-8-safe, with stop strings held back and cut.
 
     Closes rx when done or when the caller stops iterating. The last piece carries finish.
-    Raises EngineFailed if the engine fails mid-way."""
+    Raises EngineFailed if the engine fails mid-way, EngineStopped if the server ends the
+    request (shutdown)."""
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
     matcher = StopMatcher(stops)
     with rx:
         async for event in rx:
             if event.finish is FinishReason.ERROR:
                 raise EngineFailed(event.error or "the engine failed")
+            if event.finish is FinishReason.ABORT:  # ended by the server (shutting down)
+                raise EngineStopped(event.error or "the engine is unavailable")
             ids = () if event.token_id is None else (event.token_id,)
             text = detok.push(event.token_id) if ids else ""
             if event.finish is not None:

@@ -7,7 +7,8 @@ Task tree:
       hypercorn.trio.serve(app)  HTTP handlers, each in hypercorn's own nursery under this one
 
 Shutdown: SIGINT or SIGTERM stops the listeners; hypercorn lets running requests finish (up to
-the graceful timeout); then the request channel is closed, the scheduler ends when its running
+the graceful timeout; two seconds before it the scheduler ends any still running with a clean
+"shutting down" error); then the request channel is closed, the scheduler ends when its running
 requests have, and serve() returns so the process exits 0.
 """
 
@@ -62,7 +63,10 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
     async def http(task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with submit_tx:  # closed once hypercorn is done: the scheduler then drains and ends
-            await hypercorn_serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
+            async with trio.open_nursery() as watchdog:
+                watchdog.start_soon(_cut_before_deadline, stop, rt.scheduler, cfg.graceful_timeout)
+                await hypercorn_serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
+                watchdog.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
@@ -71,6 +75,15 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         say(f"caldrix: listening on http://{cfg.host}:{cfg.port}/v1")
         task_status.started(binds)
     say("caldrix: stopped")
+
+
+async def _cut_before_deadline(stop: trio.Event, scheduler, grace: float) -> None:
+    """Shortly before hypercorn's grace period ends, have the scheduler end every running
+    request with a clean error (an SSE error event, or a 503), rather than let hypercorn cut
+    the connections mid-stream."""
+    await stop.wait()
+    await trio.sleep(max(grace - 2.0, 0.0))
+    scheduler.cutoff.set()
 
 
 async def _wait_for_signal(stop: trio.Event) -> None:

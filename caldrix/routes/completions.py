@@ -99,6 +99,8 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
             finish = piece.finish
     except EngineFailed as exc:
         raise ApiError.engine_failed(str(exc)) from None
+    except EngineStopped as exc:
+        raise ApiError(503, str(exc)) from None
     finally:
         await stream.aclose()
     choice = {"finish_reason": finish.value, "index": 0}
@@ -146,6 +148,9 @@ async def _sse(stream, head: dict, chat: bool, req, prompt_tokens: int):
     except EngineFailed as exc:
         # The 200 is already sent: the failure arrives as an event carrying the error object.
         yield sse.event(ApiError.engine_failed(str(exc)).body())
+        yield sse.DONE
+    except EngineStopped as exc:
+        yield sse.event(ApiError(503, str(exc)).body())
         yield sse.DONE
     finally:
         await stream.aclose()

@@ -21,6 +21,8 @@ from caldrix.sched.sequence import Sequence
 
 log = logging.getLogger("caldrix")
 
+SHUTTING_DOWN = "the server is shutting down"
+
 
 class StepEngine(Protocol):
     def step(self, batch: Batch) -> StepOutput: ...
@@ -57,6 +59,8 @@ class Scheduler:
     run_step: StepRunner = attrs.field(factory=thread_runner)
     on_finish: Callable[[Sequence], None] | None = None  # telemetry hook, called synchronously
     failed: str | None = None  # set once the engine has failed: the server answers 503
+    # Set (by the server's shutdown watchdog) to end every running request now, cleanly.
+    cutoff: trio.Event = attrs.Factory(trio.Event)
     _steps: int = 0
 
     def statistics(self, queued: int = 0) -> SchedStats:
@@ -84,6 +88,9 @@ class Scheduler:
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
                 self._drop_abandoned()
+                if self.cutoff.is_set():
+                    self._cut_all()
+                    continue
                 work = self.policy.schedule()
                 if work is None:
                     await trio.lowlevel.checkpoint()
@@ -138,6 +145,15 @@ class Scheduler:
         seq.sub.events.close()
         if self.on_finish is not None:
             self.on_finish(seq)
+
+    def _cut_all(self) -> None:
+        for seq in list(self.policy.running):
+            self.policy.release(seq, FinishReason.ABORT)
+            try:
+                seq.sub.events.send_nowait(TokenEvent(None, FinishReason.ABORT, error=SHUTTING_DOWN))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                pass
+            self._closed(seq)
 
     def _fail_all(self, requests: trio.MemoryReceiveChannel[Submission]) -> None:
         """Answer every running and every queued request with the engine's error."""
