@@ -854,3 +854,24 @@ def test_sigterm_with_a_running_stream_exits_0(tight):
     assert events[-1] == "[DONE]", events[-3:]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert "".join(chunk_text(e) for e in events[:-1])
+
+
+def test_sigterm_cuts_a_long_stream_cleanly_before_the_deadline(smollm2_dir: Path):
+    """A stream that cannot finish inside the grace period ends with an error event and
+    [DONE], not a cut connection, and the process still exits 0."""
+    srv = ServerProcess.start(smollm2_dir, "--dtype", "float32", "--graceful-timeout", "3", "--served-name", "grace")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as client:
+            with client.stream("POST", "/v1/completions", json=long_stream_body("grace", max_tokens=4000)) as r:
+                assert r.status_code == 200
+                stream = iter_events(r.iter_lines())
+                events = [next(stream)]
+                srv.terminate()
+                events += list(stream)
+        status = srv.wait(60)
+    finally:
+        srv.stop()
+    assert status == 0, srv.stderr
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["message"] == "the server is shutting down" and err["type"] == "service_unavailable_error"
