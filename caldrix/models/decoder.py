@@ -120,9 +120,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics, as the reference does, then back to the activation dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_tables(cfg: DecoderConfig, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,11 +164,12 @@ class Block(nn.Module):
         T = x.shape[0]
         h, g, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.wqkv(self.input_norm(x))  # [T, (H+2G)E]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k, v = q.view(T, h, e), k.view(T, g, e), v.view(T, g, e)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk, v = qk.view(T, h + g, e), v.view(T, g, e)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotate alike: one pass for both
+        q, k = qk[:, :h], qk[:, h:]
         attn = self._attend(q, k, v, at, kv)  # [T, H*E]
         x = x + self.wo(attn)
         gate, up = self.w_gate_up(self.post_norm(x)).chunk(2, dim=-1)

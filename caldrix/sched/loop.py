@@ -17,7 +17,7 @@ import trio
 from caldrix.batch import Batch, StepOutput
 from caldrix.protocol import FinishReason, Submission, TokenEvent
 from caldrix.sched.policy import Policy
-from caldrix.sched.sequence import Sequence
+from caldrix.sched.sequence import Sequence, Status
 
 log = logging.getLogger("caldrix")
 
@@ -147,28 +147,28 @@ class Scheduler:
             self.on_finish(seq)
 
     def _cut_all(self) -> None:
-        for seq in list(self.policy.running):
-            self.policy.release(seq, FinishReason.ABORT)
-            try:
-                seq.sub.events.send_nowait(TokenEvent(None, FinishReason.ABORT, error=SHUTTING_DOWN))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                pass
-            self._closed(seq)
+        """Shutdown deadline: end every running request with a clean "shutting down"."""
+        self._answer_all(list(self.policy.running), FinishReason.ABORT, SHUTTING_DOWN)
 
     def _fail_all(self, requests: trio.MemoryReceiveChannel[Submission]) -> None:
         """Answer every running and every queued request with the engine's error."""
         failed = list(self.policy.running)
-        for seq in failed:
-            self.policy.release(seq, FinishReason.ERROR)
         while True:
             try:
-                failed.append(Sequence(requests.receive_nowait(), finish=FinishReason.ERROR))
+                failed.append(Sequence(requests.receive_nowait()))
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-        error = TokenEvent(None, FinishReason.ERROR, error=self.failed)
-        for seq in failed:
+        self._answer_all(failed, FinishReason.ERROR, self.failed)
+
+    def _answer_all(self, seqs: list[Sequence], reason: FinishReason, message: str | None) -> None:
+        event = TokenEvent(None, reason, error=message)
+        for seq in seqs:
+            if seq.status is Status.RUNNING:
+                self.policy.release(seq, reason)
+            else:
+                seq.finish = reason  # still queued: it never had a slot
             try:
-                seq.sub.events.send_nowait(error)
+                seq.sub.events.send_nowait(event)
             except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
                 pass
             self._closed(seq)
