@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--weights", choices=["auto", "dense"], default="auto", help="as caldrix serve --weights")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     if args.threads:
@@ -96,7 +97,11 @@ def main() -> None:
     src = resolve(args.model)
     dtype = resolve_dtype(args.dtype, "cpu")
     n = args.tokens
-    progress(f"model {src.served_name}, dtype {dtype}, {torch.get_num_threads()} threads, {n} tokens")
+    from caldrix.models.gguf import source_gguf
+
+    int4 = source_gguf(src.path) if args.weights == "auto" and dtype is torch.bfloat16 else None
+    weights = "int4 GGUF blocks" if int4 else "dense"
+    progress(f"model {src.served_name}, dtype {dtype}, {weights}, {torch.get_num_threads()} threads, {n} tokens")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,12 +111,12 @@ def main() -> None:
     texts = [tok.decode(x) for x in ids]
     rows: list[tuple[str, float, float]] = []
 
-    e1 = Engine.load(src.path, dtype=dtype, max_batch=1, context=1024)
+    e1 = Engine.load(src.path, dtype=dtype, max_batch=1, context=1024, int4_from=int4)
     caldrix_run(e1, ids[:1], 8)  # warm-up
     progress("caldrix single stream")
     c1 = n / caldrix_run(e1, ids[:1], n)
     del e1
-    e8 = Engine.load(src.path, dtype=dtype, max_batch=8, context=1024)
+    e8 = Engine.load(src.path, dtype=dtype, max_batch=8, context=1024, int4_from=int4)
     caldrix_run(e8, ids, 8)
     progress("caldrix 8 streams")
     c8 = 8 * n / caldrix_run(e8, ids, n)
@@ -126,7 +131,8 @@ def main() -> None:
         progress("transformers generate, batch of 8")
         h8 = 8 * n / hf_run(model, tok, texts, n)
 
-    print(f"\nSmolLM2 decode, {n} greedy tokens, dtype {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads")
+    print(f"\nSmolLM2 decode, {n} greedy tokens, dtype {str(dtype).removeprefix('torch.')}, {weights}, "
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
     print(f"{'':28}{'caldrix':>10}{'transformers':>14}{'ratio':>8}")
     print(f"{'single stream tok/s':28}{c1:10.1f}{h1:14.1f}{c1 / h1:8.2f}")
     print(f"{'8 streams aggregate tok/s':28}{c8:10.1f}{h8:14.1f}{c8 / h8:8.2f}")

@@ -54,6 +54,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto takes the GPU when torch sees one, else cpu; host runs the transformers reference")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32")
+    g.add_argument("--weights", choices=["auto", "dense"], default="auto",
+                   help="auto: a GGUF's Q4_1 blocks stay 4-bit with --dtype bfloat16 on the cpu lane; dense: dequantized")
     g.add_argument("--context", type=_int_at_least(16), default=None,
                    help="KV rows per sequence (default: the model's maximum, capped at 8192)")
     g.add_argument("--max-batch", type=_int_at_least(1), default=1, help="sequences per forward pass (default 1)")
@@ -122,6 +124,7 @@ def config_from(args: argparse.Namespace, model: str | None) -> ServeConfig:
         served_name=args.served_name,
         backend=args.backend,
         dtype=args.dtype,
+        weights=args.weights,
         context=args.context,
         max_batch=args.max_batch,
         queue_depth=getattr(args, "queue_depth", 64),

@@ -17,6 +17,7 @@ class ServeConfig:
     served_name: str | None = None
     backend: str = "auto"  # auto | cpu | cuda | hip | host
     dtype: str = "auto"
+    weights: str = "auto"  # auto: keep a GGUF's Q4_1 blocks 4-bit where the engine can; dense
     context: int | None = None  # None: the model's maximum, capped at 8192
     max_batch: int = 1
     queue_depth: int = 64

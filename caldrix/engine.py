@@ -51,14 +51,27 @@ class Engine:
         self.vocab_size = model.cfg.vocab_size
         self.kv = KVCache(model.cfg, max_batch, context, self.dtype, device)
         model.setup_rope(context)
+        self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
         # Mirror of the token ids in each slot's KV rows: the repetition penalty reads it.
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]
 
     @classmethod
-    def load(cls, path: Path, *, dtype: torch.dtype, max_batch: int, context: int | None, device: str = "cpu") -> "Engine":
+    def load(cls, path: Path, *, dtype: torch.dtype, max_batch: int, context: int | None, device: str = "cpu",
+             int4_from: Path | None = None) -> "Engine":
+        """Load a Hugging Face directory. `int4_from`: the GGUF the directory was converted
+        from; its Q4_1 projections then stay 4-bit (bfloat16 on the CPU only)."""
         model = load_decoder(path, dtype, device)
+        engine_int4 = 0
+        if int4_from is not None:
+            from caldrix.models import q4
+
+            if dtype is not torch.bfloat16 or device != "cpu" or not q4.available():
+                raise ValueError("4-bit weights need --dtype bfloat16 on the cpu lane")
+            engine_int4 = q4.quantize_from_gguf(model, int4_from)
         ctx = min(model.cfg.max_positions, 8192) if context is None else context
-        return cls(model, max_batch=max_batch, context=ctx, device=device)
+        engine = cls(model, max_batch=max_batch, context=ctx, device=device)
+        engine.int4_layers = engine_int4
+        return engine
 
     @property
     def kv_bytes(self) -> int:

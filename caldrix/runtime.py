@@ -49,10 +49,25 @@ class Runtime:
         cfg = self.cfg
         say(f"caldrix: model {self.served_name} ({self.origin})")
         say(f"caldrix: lane {self.lane}")
-        say(f"caldrix: dtype {self.dtype_name}")
+        int4 = getattr(self.engine, "int4_layers", 0)
+        weights = f", {int4} projections kept as 4-bit GGUF blocks" if int4 else ""
+        say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")
         say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}")
         say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({cfg.max_batch} slots x {self.context} rows)")
+
+
+def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | None:
+    """--weights auto keeps a GGUF's 4-bit blocks when the engine can run them: bfloat16 on
+    the cpu lane. --weights dense always uses the dequantized weights."""
+    import torch
+
+    from caldrix.models import q4
+    from caldrix.models.gguf import source_gguf
+
+    if cfg.weights != "auto" or lane != "cpu" or dtype is not torch.bfloat16 or not q4.available():
+        return None
+    return source_gguf(model_dir)
 
 
 def load_runtime(cfg: ServeConfig) -> Runtime:
@@ -72,7 +87,8 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
 
         engine = HostEngine(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context)
     else:
-        engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device)
+        engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
+                             int4_from=_int4_source(cfg, src.path, lane, dtype))
     policy = Policy(SlotTable(cfg.max_batch), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk)
     return Runtime(
         cfg=cfg,

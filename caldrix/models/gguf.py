@@ -194,3 +194,16 @@ def _sweep_stale(root: Path) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
         except OSError:
             pass  # another process removed or renamed it meanwhile
+
+
+def source_gguf(model_dir: str | os.PathLike) -> Path | None:
+    """The GGUF file a cached directory was converted from, if it is still there unchanged."""
+    meta = Path(model_dir) / "caldrix_source.json"
+    try:
+        info = json.loads(meta.read_text())
+        src = Path(info["gguf"])
+        if src.stat().st_size == info["size"]:
+            return src
+    except (OSError, ValueError, KeyError):
+        pass
+    return None

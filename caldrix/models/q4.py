@@ -1,0 +1,103 @@
+"""Keep a GGUF's Q4_1 blocks 4-bit: torch's int4 weight-only CPU matmul, no re-quantizing.
+
+A Q4_1 block holds 32 weights of one row as w = d * q + m, with q in 0..15 and d, m float16.
+torch's int4 kernel computes w = (q - 8) * scale + zero per group, so the GGUF's own q values
+go in unchanged with scale = d and zero = m + 8 d. The one rounding is of scale and zero to
+bfloat16, the kernel's dtype, which is why this path is taken only for a bfloat16 engine.
+
+llama.cpp's converter stores the q and k projections with their rows permuted (for its
+interleaved RoPE); rows move whole, blocks and all, so undoing it is a row gather.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32
+Q4_1 = 3  # ggml type id
+BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
+
+
+def available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def unpack_q4_1(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw: uint8 [N, blocks * 20] -> q int32 [N, K], d and m float32 [N, blocks]."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, cols // GROUP, BLOCK_BYTES)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    nib = blocks[:, :, 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high one
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, cols).astype(np.int32)
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Index that undoes llama.cpp's q/k row permutation: hf = gguf[index]."""
+    perm = torch.arange(n_rows).reshape(n_head, 2, n_rows // n_head // 2).transpose(1, 2).reshape(-1)
+    return torch.argsort(perm)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T with W held as packed 4-bit groups (bfloat16 activations)."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+        super().__init__()
+        # q [N, K] int32 in 0..15; d, m [N, K / GROUP]
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1))
+        scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K / GROUP, N, 2]
+        self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
+
+
+def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
+    """Swap the model's projection layers for Int4Linear where the GGUF holds them as Q4_1.
+
+    Returns how many layers were swapped; a layer whose tensors are of another type keeps its
+    dense weights. The model must be the Decoder loaded from the same file's conversion."""
+    from gguf import GGUFReader
+
+    cfg = model.cfg
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+
+    def q4(name: str, heads: int | None = None):
+        t = tensors.get(name)
+        if t is None or int(t.tensor_type) != Q4_1:
+            return None
+        cols = int(t.shape[0])  # gguf shapes are [K, N]
+        q, d, m = unpack_q4_1(np.asarray(t.data), cols)
+        if heads is not None:
+            idx = unpermute_rows(q.shape[0], heads)
+            q, d, m = q[idx], d[idx], m[idx]
+        return q, d, m
+
+    def fused(*parts):
+        if any(p is None for p in parts):
+            return None
+        return Int4Linear(*(torch.cat(xs) for xs in zip(*parts)))
+
+    swapped = 0
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        permute = cfg.arch == "llama"  # llama.cpp permutes q/k only for its llama family
+        new = {
+            "wqkv": fused(q4(b + "attn_q.weight", cfg.num_heads if permute else None),
+                          q4(b + "attn_k.weight", cfg.num_kv_heads if permute else None),
+                          q4(b + "attn_v.weight")),
+            "wo": fused(q4(b + "attn_output.weight")),
+            "w_gate_up": fused(q4(b + "ffn_gate.weight"), q4(b + "ffn_up.weight")),
+            "w_down": fused(q4(b + "ffn_down.weight")),
+        }
+        for name, module in new.items():
+            if module is not None:
+                setattr(layer, name, module)
+                swapped += 1
+    return swapped
