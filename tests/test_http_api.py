@@ -778,10 +778,6 @@ def long_stream_body(model: str, max_tokens: int = 4000) -> dict:
             "ignore_eos": True, "stream": True}
 
 
-def first_event(response: httpx.Response) -> dict:
-    return next(iter_events(response.iter_lines()))
-
-
 def test_tight_models_list_gives_the_served_name(tight):
     client = openai.OpenAI(base_url=tight.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tight"]
@@ -794,7 +790,10 @@ def test_queue_full_is_429(tight):
             httpx.Client(base_url=tight.url, timeout=TIMEOUT) as c_client:
         with a_client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as a:
             assert a.status_code == 200
-            first_event(a)  # running: it holds the only slot
+            # Keep the iterator: dropping a half-read httpx line iterator closes the connection,
+            # which would abort `a` and let `b` take the slot.
+            a_events = iter_events(a.iter_lines())
+            next(a_events)  # running: it holds the only slot
             with b_client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as b:
                 assert b.status_code == 200  # queued: the one place in the queue
                 c = c_client.post("/v1/completions", json={"model": "tight", "prompt": "hi", "max_tokens": 1})
@@ -802,7 +801,7 @@ def test_queue_full_is_429(tight):
                 chat = c_client.post("/v1/chat/completions", json={
                     "model": "tight", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
                 assert_error(chat, 429, None, "the request queue is full")
-                oai_client = openai.OpenAI(base_url=tight.url + "/v1", api_key="unused", max_retries=0)
+                oai_client = openai.OpenAI(base_url=tight.url + "/v1", api_key="unused", max_retries=0, timeout=60)
                 with pytest.raises(openai.RateLimitError) as exc_info:
                     oai_client.completions.create(model="tight", prompt="hi", max_tokens=1)
                 assert exc_info.value.status_code == 429
