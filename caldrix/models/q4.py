@@ -43,18 +43,30 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.argsort(perm)
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W.T with W held as packed 4-bit groups (bfloat16 activations)."""
+# Rows per call up to which the 4-bit kernel wins. Measured on 2 cores (bf16, SmolLM2): at 1
+# to 8 rows (decode) it reads a quarter of the bytes and runs ~1.3-3x faster than the dense
+# matmul; at 128 rows (prefill) it ran at 540 tokens/s against the dense matmul's 930.
+MAX_INT4_ROWS = 8
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T with W held as packed 4-bit groups (bfloat16 activations).
+
+    Calls of more than MAX_INT4_ROWS rows (prefill chunks) use `dense`, the same weights
+    dequantized, when one is given: compute-bound work is faster there."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None):
         super().__init__()
         # q [N, K] int32 in 0..15; d, m [N, K / GROUP]
         self.out_features, self.in_features = q.shape
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1))
         scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K / GROUP, N, 2]
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
+        self.dense = dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > MAX_INT4_ROWS:
+            return torch.nn.functional.linear(x, self.dense)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
 
 
@@ -79,22 +91,22 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
             q, d, m = q[idx], d[idx], m[idx]
         return q, d, m
 
-    def fused(*parts):
+    def fused(dense: nn.Linear, *parts):
         if any(p is None for p in parts):
             return None
-        return Int4Linear(*(torch.cat(xs) for xs in zip(*parts)))
+        return Int4Linear(*(torch.cat(xs) for xs in zip(*parts)), dense=dense.weight)
 
     swapped = 0
     for i, layer in enumerate(model.layers):
         b = f"blk.{i}."
         permute = cfg.arch == "llama"  # llama.cpp permutes q/k only for its llama family
         new = {
-            "wqkv": fused(q4(b + "attn_q.weight", cfg.num_heads if permute else None),
+            "wqkv": fused(layer.wqkv, q4(b + "attn_q.weight", cfg.num_heads if permute else None),
                           q4(b + "attn_k.weight", cfg.num_kv_heads if permute else None),
                           q4(b + "attn_v.weight")),
-            "wo": fused(q4(b + "attn_output.weight")),
-            "w_gate_up": fused(q4(b + "ffn_gate.weight"), q4(b + "ffn_up.weight")),
-            "w_down": fused(q4(b + "ffn_down.weight")),
+            "wo": fused(layer.wo, q4(b + "attn_output.weight")),
+            "w_gate_up": fused(layer.w_gate_up, q4(b + "ffn_gate.weight"), q4(b + "ffn_up.weight")),
+            "w_down": fused(layer.w_down, q4(b + "ffn_down.weight")),
         }
         for name, module in new.items():
             if module is not None:
