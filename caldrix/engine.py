@@ -4,9 +4,13 @@ Contract: `step` blocks for one forward pass and must be called from one thread 
 scheduler runs it in a worker thread through a limiter of one). It never touches trio, routes or
 sequences: it sees slots, positions and token ids only.
 
-Numerics: decode rows always run as one padded batch of `max_batch` rows, whatever number of
-slots is active, so the matmul shapes (and with them the float reduction order) do not depend on
-batch mates. Each prefill chunk runs as its own forward pass for the same reason.
+Numerics: a reply must not depend on its batch mates. The dense matmuls can give a row a
+different result with a different row count, so a dense engine pads every decode step to
+`max_batch` rows; the 4-bit kernel gives each row the same result whatever the row count, so a
+4-bit engine runs only the active rows (both guarded by tests/test_engine.py and
+tests/test_int4.py batch-invariance tests). Attention runs per slot over exactly that slot's rows, and each prefill chunk is its own
+forward pass. Which 4-bit or dense kernel a call uses depends on its row count against
+`max_batch`, a property of the engine, never on how many requests are running.
 """
 
 from __future__ import annotations
@@ -51,7 +55,11 @@ class Engine:
         self.device = device
         self.dtype = model.embed.weight.dtype
         self.vocab_size = model.cfg.vocab_size
-        self.kv = KVCache(model.cfg, max_batch, context, self.dtype, device)
+        # One slot more than max_batch: the scratch slot that decode padding rows write into.
+        self.kv = KVCache(model.cfg, max_batch + 1, context, self.dtype, device)
+        # The dense matmuls give a row a different result with a different row count (the
+        # 4-bit kernel does not): a dense engine pads every decode step to max_batch rows.
+        self.pad_decode = True
         model.setup_rope(context)
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
         self.max_threads = torch.get_num_threads()
@@ -74,6 +82,11 @@ class Engine:
         ctx = min(model.cfg.max_positions, 8192) if context is None else context
         engine = cls(model, max_batch=max_batch, context=ctx, device=device)
         engine.int4_layers = engine_int4
+        engine.pad_decode = not engine_int4
+        if engine_int4:
+            from caldrix.models import q4
+
+            q4.set_max_int4_rows(model, max(max_batch, 1))
         return engine
 
     def threads_for(self, prefill_tokens: int) -> int:
@@ -104,11 +117,10 @@ class Engine:
         picked: dict[int, list[int]] = {}  # id(run) -> tokens
         reads: dict[int, list[float]] = {}
         if decode:
-            hidden = self._decode(decode)  # [S, D]
-            logits = self.model.logits(hidden)  # fixed M = max_batch rows
-            for r in decode:
+            logits = self.model.logits(self._decode(decode))  # [rows, V]: the runs first, then padding
+            for i, r in enumerate(decode):
                 if r.pick_at:
-                    self._pick(r, logits[r.slot : r.slot + 1], picked, reads)
+                    self._pick(r, logits[i : i + 1], picked, reads)
         for r in prefill:
             at = Attend("prefill", (r.slot,), torch.arange(r.start, r.end), torch.arange(r.start, r.end))
             hidden = self.model(torch.tensor(r.token_ids), at, self.kv)
@@ -119,15 +131,13 @@ class Engine:
         )
 
     def _decode(self, runs: list[Run]) -> torch.Tensor:
-        S, C = self.max_batch, self.context
-        tokens = [0] * S
-        positions = [0] * S
-        write = [C] * S  # idle slots write their scratch row
-        lengths = [0] * S
-        for r in runs:
-            tokens[r.slot], positions[r.slot], write[r.slot], lengths[r.slot] = r.token_ids[0], r.start, r.start, r.start + 1
-        at = Attend("decode", tuple(range(S)), torch.tensor(positions), torch.tensor(write), tuple(lengths))
-        return self.model(torch.tensor(tokens), at, self.kv)
+        """One decode row per run -> hidden [len(runs), D]."""
+        pad = self.max_batch - len(runs) if self.pad_decode else 0
+        positions = torch.tensor([r.start for r in runs] + [0] * pad)
+        slots = tuple(r.slot for r in runs) + (self.max_batch,) * pad  # padding rows: the scratch slot
+        lengths = tuple(r.start + 1 for r in runs) + (0,) * pad
+        at = Attend("decode", slots, positions, positions, lengths, torch.tensor(slots))
+        return self.model(torch.tensor([r.token_ids[0] for r in runs] + [0] * pad), at, self.kv)
 
     def _pick(self, r: Run, logits: torch.Tensor, picked: dict, reads: dict) -> None:
         picked[id(r)], reads[id(r)] = pick_run(r, logits, self._rows[r.slot])

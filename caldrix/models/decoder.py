@@ -73,12 +73,10 @@ class DecoderConfig:
 class KVCache:
     """K and V rows for `num_slots` sequences of `rows` positions, allocated once.
 
-    Layout per layer: [S, G, C, E]. Each slot has one extra scratch row at index C: an idle slot
-    in a padded decode batch writes there, so its held rows stay intact.
-    """
+    Layout per layer: [S, G, C, E]."""
 
     def __init__(self, cfg: DecoderConfig, num_slots: int, rows: int, dtype: torch.dtype, device):
-        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, rows + 1, cfg.head_dim)
+        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, rows, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.rows = rows
@@ -99,9 +97,9 @@ class Attend:
     """Where the T rows of one forward pass live in the KV cache.
 
     Two forms, one per call:
-    - decode: one row per slot, `slots` = all S slots in order, `positions` [S]; `lengths` [S]
-      is each row's visible key count (position + 1), 0 for an idle slot: its row only fills
-      the fixed-size batch and writes the slot's scratch row.
+    - decode: one row per slot in `slots`, at `positions` [T]; `lengths` [T] is each row's
+      visible key count (position + 1). A padding row has length 0: it writes into the
+      engine's scratch slot and its attention output is zero.
     - prefill: T rows of one slot at positions start..start+T-1 (`slots` = (slot,)).
     """
 
@@ -110,6 +108,7 @@ class Attend:
     positions: torch.Tensor  # [T] int64: RoPE positions
     write_rows: torch.Tensor  # [T] int64: KV row each token is written to
     lengths: tuple[int, ...] = ()  # decode only
+    slot_index: torch.Tensor | None = None  # decode only: torch.tensor(slots), built once per pass
 
 
 class RMSNorm(nn.Module):
@@ -180,20 +179,19 @@ class Block(nn.Module):
         K, V = kv.k[self.index], kv.v[self.index]  # [S, G, C+1, E]
         scale = 1.0 / math.sqrt(e)
         if at.kind == "decode":
-            slots = torch.arange(len(at.slots))
-            K[slots, :, at.write_rows] = k  # k: [S, G, E]
-            V[slots, :, at.write_rows] = v
-            out = q.new_zeros(T, h, e)
-            qs = q.unsqueeze(2)  # [S, H, 1, E]
-            # One call per active slot over exactly its own rows: a padded, masked batch
-            # would change the float reduction with the batch mates' lengths (measured in
-            # bf16), and a reply must not depend on who else is decoding.
-            for s, n in enumerate(at.lengths):
-                if n:
-                    out[s] = F.scaled_dot_product_attention(
-                        qs[s : s + 1], K[s : s + 1, :, :n], V[s : s + 1, :, :n], scale=scale, enable_gqa=True
-                    )[0, :, 0]
-            return out.reshape(T, h * e)
+            K[at.slot_index, :, at.write_rows] = k  # k: [T, G, E], one row per slot
+            V[at.slot_index, :, at.write_rows] = v
+            qs = q.unsqueeze(2)  # [T, H, 1, E]
+            # One call per slot over exactly its own rows: a padded, masked batch would change
+            # the float reduction with the batch mates' lengths (measured in bf16), and a reply
+            # must not depend on who else is decoding.
+            zero = q.new_zeros(1, h, 1, e)
+            out = [
+                F.scaled_dot_product_attention(qs[i : i + 1], K[s : s + 1, :, :n], V[s : s + 1, :, :n],
+                                               scale=scale, enable_gqa=True) if n else zero
+                for i, (s, n) in enumerate(zip(at.slots, at.lengths))
+            ]
+            return torch.cat(out).reshape(T, h * e)
         (slot,) = at.slots
         start = int(at.write_rows[0])
         K[slot, :, start : start + T] = k.transpose(0, 1)  # [G, T, E]
@@ -221,7 +219,7 @@ class Decoder(nn.Module):
         self.cos = self.sin = None  # set by setup_rope
 
     def setup_rope(self, rows: int) -> None:
-        self.cos, self.sin = rope_tables(self.cfg, rows + 1, self.embed.weight.device)
+        self.cos, self.sin = rope_tables(self.cfg, rows, self.embed.weight.device)
 
     def forward(self, token_ids: torch.Tensor, at: Attend, kv: KVCache) -> torch.Tensor:
         """token_ids [T] -> final hidden states [T, D] (before the last norm)."""

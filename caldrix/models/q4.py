@@ -43,16 +43,23 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.argsort(perm)
 
 
-# Rows per call up to which the 4-bit kernel wins. Measured on 2 cores (bf16, SmolLM2): at 1
-# to 8 rows (decode) it reads a quarter of the bytes and runs ~1.3-3x faster than the dense
-# matmul; at 128 rows (prefill) it ran at 540 tokens/s against the dense matmul's 930.
+# Rows per call up to which the 4-bit kernel is used; the engine sets it to --max-batch, so
+# every decode step takes the 4-bit path and prefill chunks the dense one. Measured on 2 cores
+# (bf16, one thread, SmolLM2's gate/up projection): 4-bit 70/135/265 us at 1/4/8 rows against
+# dense 153/165/203 us; at 128-row prefill chunks 540 tokens/s against the dense 930.
 MAX_INT4_ROWS = 8
+
+
+def set_max_int4_rows(model: nn.Module, rows: int) -> None:
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.max_int4_rows = rows
 
 
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as packed 4-bit groups (bfloat16 activations).
 
-    Calls of more than MAX_INT4_ROWS rows (prefill chunks) use `dense`, the same weights
+    Calls of more than `max_int4_rows` rows (prefill chunks) use `dense`, the same weights
     dequantized, when one is given: compute-bound work is faster there."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None):
@@ -63,9 +70,10 @@ class Int4Linear(nn.Module):
         scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K / GROUP, N, 2]
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
         self.dense = dense
+        self.max_int4_rows = MAX_INT4_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] > MAX_INT4_ROWS:
+        if self.dense is not None and x.shape[0] > self.max_int4_rows:
             return torch.nn.functional.linear(x, self.dense)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
 
