@@ -48,18 +48,18 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 class Engine:
     """Runs Batches on an own-torch Decoder with `max_batch` KV slots of `context` rows."""
 
-    def __init__(self, model: Decoder, *, max_batch: int, context: int, device: str = "cpu"):
+    def __init__(self, model: Decoder, *, max_batch: int, context: int, device: str = "cpu", pad_decode: bool = True):
         self.model = model
         self.max_batch = max_batch
         self.context = context
         self.device = device
         self.dtype = model.embed.weight.dtype
         self.vocab_size = model.cfg.vocab_size
-        # One slot more than max_batch: the scratch slot that decode padding rows write into.
-        self.kv = KVCache(model.cfg, max_batch + 1, context, self.dtype, device)
         # The dense matmuls give a row a different result with a different row count (the
-        # 4-bit kernel does not): a dense engine pads every decode step to max_batch rows.
-        self.pad_decode = True
+        # 4-bit kernel does not): a dense engine pads every decode step to max_batch rows,
+        # and the padding rows write into one extra, scratch slot.
+        self.pad_decode = pad_decode and max_batch > 1
+        self.kv = KVCache(model.cfg, max_batch + self.pad_decode, context, self.dtype, device)
         model.setup_rope(context)
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
         self.max_threads = torch.get_num_threads()
@@ -80,9 +80,8 @@ class Engine:
                 raise ValueError("4-bit weights need --dtype bfloat16 on the cpu lane")
             engine_int4 = q4.quantize_from_gguf(model, int4_from)
         ctx = min(model.cfg.max_positions, 8192) if context is None else context
-        engine = cls(model, max_batch=max_batch, context=ctx, device=device)
+        engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=not engine_int4)
         engine.int4_layers = engine_int4
-        engine.pad_decode = not engine_int4
         if engine_int4:
             from caldrix.models import q4
 

@@ -54,7 +54,8 @@ class Runtime:
         say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")
         say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}")
-        say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({cfg.max_batch} slots and a scratch slot, {self.context} rows each)")
+        scratch = " and a scratch slot" if getattr(self.engine, "pad_decode", False) else ""
+        say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({cfg.max_batch} slots{scratch}, {self.context} rows each)")
 
 
 def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | None:
