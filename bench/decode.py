@@ -94,6 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    default_threads = torch.get_num_threads()
     src = resolve(args.model)
     dtype = resolve_dtype(args.dtype, "cpu")
     n = args.tokens
@@ -122,20 +123,26 @@ def main() -> None:
     c8 = 8 * n / caldrix_run(e8, ids, n)
     del e8
 
-    h1 = h8 = float("nan")
+    # transformers at torch's default thread count (what a user gets) and at one thread (its
+    # best here); the caldrix engine picks its own count per step, so reset it first.
+    hf: dict[int, tuple[float, float]] = {}
     if not args.skip_hf:
         model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=dtype).eval()
-        hf_run(model, tok, texts[:1], 8)
-        progress("transformers generate, single stream")
-        h1 = n / hf_run(model, tok, texts[:1], n)
-        progress("transformers generate, batch of 8")
-        h8 = 8 * n / hf_run(model, tok, texts, n)
+        for threads in sorted({default_threads, 1}, reverse=True):
+            torch.set_num_threads(threads)
+            hf_run(model, tok, texts[:1], 8)
+            progress(f"transformers generate, {threads} threads, single stream")
+            h1 = n / hf_run(model, tok, texts[:1], n)
+            progress(f"transformers generate, {threads} threads, batch of 8")
+            hf[threads] = (h1, 8 * n / hf_run(model, tok, texts, n))
 
     print(f"\nSmolLM2 decode, {n} greedy tokens, dtype {str(dtype).removeprefix('torch.')}, {weights}, "
-          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'':28}{'caldrix':>10}{'transformers':>14}{'ratio':>8}")
-    print(f"{'single stream tok/s':28}{c1:10.1f}{h1:14.1f}{c1 / h1:8.2f}")
-    print(f"{'8 streams aggregate tok/s':28}{c8:10.1f}{h8:14.1f}{c8 / h8:8.2f}")
+          f"load average {os.getloadavg()[0]:.1f}")
+    cols = "".join(f"{f'hf {t}T':>10}{'ratio':>7}" for t in hf)
+    print(f"{'':28}{'caldrix':>10}{cols}")
+    for label, ours, i in (("single stream tok/s", c1, 0), ("8 streams aggregate tok/s", c8, 1)):
+        cells = "".join(f"{v[i]:10.1f}{ours / v[i]:7.2f}" for v in hf.values())
+        print(f"{label:28}{ours:10.1f}{cells}")
     print(f"{'caldrix 8 streams / single':28}{c8 / c1:10.2f}")
 
 

@@ -46,11 +46,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as caldrix/cli.py sets it, for the hf worker
+# Every peer runs in the environment the user gave this script. caldrix serve sets
+# OMP_WAIT_POLICY=PASSIVE for itself (caldrix/cli.py); the peers must not inherit that: measured
+# here, llama.cpp's OpenMP pool decodes about 3.4 times slower with it (35 against 120 tok/s).
+ENV = dict(os.environ)
 
-BENCH_VENV = ROOT / ".venv-bench"
+BENCH_VENV = Path(os.environ.get("CALDRIX_BENCH_VENV") or ROOT / ".venv-bench")  # llama-cpp-python's own venv
 LLAMA_SPEC = "llama-cpp-python[server]"
 BUILD_LOG = BENCH_VENV / "build.log"
+BUILD_FAILED = BENCH_VENV / "build-failed"  # the reason a build failed; --rebuild-llama tries again
 THREADS = 2
 CONTEXT = 2048  # rows per sequence, the same for both servers: the longest request is 512 + 16
 LISTENING = re.compile(r"caldrix: listening on (http://\S+)/v1")
@@ -112,20 +116,35 @@ def llama_installed() -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def ensure_llama_venv() -> tuple[str | None, str]:
-    """Create .venv-bench with llama-cpp-python[server] on first use: (version, why not)."""
+def ensure_llama_venv(rebuild: bool = False) -> tuple[str | None, str]:
+    """Create .venv-bench with llama-cpp-python[server] on first use: (version, why not).
+
+    A failed build is remembered in BUILD_FAILED, so later runs do not spend minutes on it again
+    unless `rebuild`.
+    """
     version = llama_installed()
     if version:
         return version, ""
+    if BUILD_FAILED.exists() and not rebuild:
+        return None, BUILD_FAILED.read_text().strip() + " (an earlier run; --rebuild-llama tries again)"
+    version, why = _install_llama()
+    if not version and BENCH_VENV.is_dir():
+        BUILD_FAILED.write_text(why + "\n")
+    elif version:
+        BUILD_FAILED.unlink(missing_ok=True)
+    return version, why
+
+
+def _install_llama() -> tuple[str | None, str]:
     t0 = time.monotonic()
     if not bench_python().exists():
         progress(f"creating {BENCH_VENV.name} for llama-cpp-python (its own venv; caldrix does not depend on it)")
         r = subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], capture_output=True, text=True)
         if r.returncode != 0:
             return None, f"python -m venv failed: {r.stderr.strip()[-300:]}"
-    progress(f"pip install '{LLAMA_SPEC}' into {BENCH_VENV.name}: PyPI has only a source archive, so this "
-             f"compiles llama.cpp (several minutes on 2 cores); full log in {BUILD_LOG}")
-    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(THREADS), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    progress(f"pip install '{LLAMA_SPEC}' into {BENCH_VENV.name}: llama-cpp-python has only a source "
+             f"archive on PyPI, so pip compiles llama.cpp (several minutes on 2 cores); full log in {BUILD_LOG}")
+    env = {**ENV, "CMAKE_BUILD_PARALLEL_LEVEL": str(THREADS), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     cmd = [str(bench_python()), "-m", "pip", "install", "-v", LLAMA_SPEC]
     last_pct, last_note = -10, 0.0
     try:
@@ -244,12 +263,12 @@ def vm_hwm_mb(pid: int) -> float | None:
 class Server:
     """A server subprocess, its stderr in a log file; `kind` is "caldrix" or "llama"."""
 
-    def __init__(self, kind: str, args: list[str], port: int, log: Path):
+    def __init__(self, kind: str, args: list[str], port: int, log: Path, env: dict | None = None):
         self.kind, self.args, self.port, self.log_path = kind, args, port, log
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+                                     env={**ENV, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT)
         self.model = ""
 
     def log_tail(self, n: int = 5) -> str:
@@ -301,14 +320,15 @@ def start_caldrix(gguf: Path, max_batch: int, logdir: Path) -> Server:
     return srv
 
 
-def start_llama(gguf: Path, logdir: Path) -> Server:
+def start_llama(gguf: Path, logdir: Path, wait_policy: str = "default") -> Server:
     port = free_port()
     # interrupt_requests off: by default a new request cuts the one streaming short; with it off
     # they queue, which is the only way concurrent clients all get their tokens from this server.
     args = [str(bench_python()), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(THREADS),
             "--n_threads_batch", str(THREADS), "--n_ctx", str(CONTEXT), "--host", "127.0.0.1", "--port", str(port),
             "--interrupt_requests", "false"]
-    srv = Server("llama", args, port, logdir / "llama-cpp-python.log")
+    env = None if wait_policy == "default" else {"OMP_WAIT_POLICY": wait_policy.upper()}
+    srv = Server("llama", args, port, logdir / "llama-cpp-python.log", env)
     try:
         srv.wait_ready(300)
     except Exception:
@@ -451,7 +471,8 @@ async def _run_http(srv: Server, plan: Plan, single_only: bool) -> dict:
         for i in range(plan.reps):
             recs.append(await stream(client, body_for(srv, PROMPTS[i], n)))
         check(recs, n, "single stream")
-        out["single_tok_s"] = median([r.tokens / r.e2e for r in recs])
+        out["single_runs_tok_s"] = [r.tokens / r.e2e for r in recs]
+        out["single_tok_s"] = median(out["single_runs_tok_s"])
         out["single_ttft_ms"] = ms(median([r.ttft for r in recs]))
         gaps = [g for r in recs for g in r.gaps]
         out["single_itl_p50_ms"], out["single_itl_p99_ms"] = ms(pct(gaps, 0.5)), ms(pct(gaps, 0.99))
@@ -547,8 +568,11 @@ def hf_worker(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
+    from transformers.utils import logging as hf_logging
+
     from caldrix.engine import resolve_dtype
 
+    hf_logging.disable_progress_bar()
     dtype = resolve_dtype("auto", "cpu")
     path = spec["model_dir"]
     n, reps = spec["tokens"], spec["reps"]
@@ -586,6 +610,7 @@ def hf_worker(spec: dict) -> dict:
     for i in range(reps):
         t, times, _ = gen([PROMPTS[i]], n)
         rates.append(n / (times[-1] - t))
+        res.setdefault("single_runs_tok_s", []).append(rates[-1])
         ttfts.append(times[0] - t)
         gaps += [b - a for a, b in zip(times, times[1:])]
     res.update(single_tok_s=median(rates), single_ttft_ms=ms(median(ttfts)),
@@ -612,7 +637,7 @@ def run_hf(model_dir: Path, plan: Plan, logdir: Path) -> dict:
     spec_path = logdir / "hf-spec.json"
     spec_path.write_text(json.dumps(spec))
     r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--hf-worker", str(spec_path)],
-                       stdout=subprocess.PIPE, stderr=None, text=True, cwd=ROOT)
+                       stdout=subprocess.PIPE, stderr=None, text=True, cwd=ROOT, env=ENV)
     if r.returncode != 0:
         raise RuntimeError(f"transformers worker exited with status {r.returncode}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -694,6 +719,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="32 tokens a stream, one run each, short traces, no --max-batch 1 server")
     ap.add_argument("--json", metavar="PATH", default=None, help="also write every number to PATH as JSON")
     ap.add_argument("--skip", default="", help="comma list of: caldrix, mb1, llama, hf")
+    ap.add_argument("--llama-wait-policy", choices=["default", "active", "passive"], default="default",
+                    help="OMP_WAIT_POLICY for llama-cpp-python's server (default: as this shell has it); "
+                         "its 2-thread decode is sensitive to it on a 2-core machine, see docs/performance.md")
+    ap.add_argument("--rebuild-llama", action="store_true", help="retry a llama-cpp-python build that failed before")
     ap.add_argument("--hf-worker", metavar="SPEC", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.hf_worker:
@@ -711,7 +740,8 @@ def main() -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     meta: dict = {"date": started, "loadavg_start": loadavg(), "quick": args.quick, "gguf": str(gguf),
                   "context": CONTEXT, "threads": THREADS, "cpu": cpu_name(), "cores": os.cpu_count(),
-                  "python": platform.python_version(), "loadavg": {}}
+                  "python": platform.python_version(), "loadavg": {},
+                  "llama_wait_policy": args.llama_wait_policy, "omp_wait_policy_env": ENV.get("OMP_WAIT_POLICY")}
     progress(f"model {gguf.name}; load average {meta['loadavg_start']}; {'quick' if args.quick else 'full'} run")
     model_dir = convert(gguf)
     traces = sorted((ROOT / "traces").glob("*.jsonl"))
@@ -727,7 +757,7 @@ def main() -> int:
     if "llama" in skip:
         na["llama"] = "skipped (--skip llama)"
     else:
-        llama_version, why = ensure_llama_venv()
+        llama_version, why = ensure_llama_venv(args.rebuild_llama)
         if not llama_version:
             na["llama"] = why
     meta["llama_cpp_python"] = llama_version
@@ -764,7 +794,7 @@ def main() -> int:
         phase(meta, "llama")
         try:
             progress(f"llama-cpp-python {llama_version} server: starting")
-            srv = start_llama(gguf, logdir)
+            srv = start_llama(gguf, logdir, args.llama_wait_policy)
             try:
                 results["llama"] = run_http(srv, plan)
             finally:
@@ -794,8 +824,13 @@ def main() -> int:
     print(f"machine: {meta['cpu']}, {meta['cores']} cores; load average (1, 5, 15 min) {meta['loadavg_start']} "
           f"at start, {meta['loadavg_end']} at end; per peer {meta['loadavg']}")
     print(f"versions: caldrix {meta.get('caldrix')}, llama-cpp-python {llama_version or 'n/a'}, "
-          f"transformers dtype {meta.get('hf_dtype', 'n/a')}; wall {meta['wall_s']:.0f} s\n")
+          f"transformers dtype {meta.get('hf_dtype', 'n/a')}; OMP_WAIT_POLICY for llama.cpp: "
+          f"{args.llama_wait_policy if args.llama_wait_policy != 'default' else ENV.get('OMP_WAIT_POLICY', 'unset')}; "
+          f"wall {meta['wall_s']:.0f} s\n")
     print(text)
+    runs = {name: [round(x, 1) for x in results.get(p, {}).get("single_runs_tok_s") or ()] for p, name in PEERS}
+    print("single stream runs, tok/s (the row above is their median): "
+          + "; ".join(f"{name} {v}" for name, v in runs.items() if v))
     print("\nratios are caldrix / peer; 'better' says which way is good for caldrix on that row. "
           "llama-cpp-python's server runs one request at a time; transformers has no server (no traces, no mixed row).")
     if args.json:

@@ -19,7 +19,7 @@ import orjson
 from quart import Blueprint, Response, current_app, g, request
 
 from caldrix.app import json_response
-from caldrix.generate import EngineFailed, GenRequest, Piece
+from caldrix.generate import EngineFailed, EngineStopped, GenRequest, Piece
 from caldrix.metrics import CONTENT_TYPE
 from caldrix.protocol import FinishReason
 from caldrix.routes.errors import ApiError
@@ -104,7 +104,7 @@ def tracked(rid: str, pieces: AsyncIterator[Piece], *, stream: bool) -> AsyncIte
 
 async def _watch(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Piece], stream: bool):
     finish: FinishReason | None = None
-    failed = False
+    failed = stopped = False
     try:
         async for piece in pieces:
             if piece.finish is not None:
@@ -113,10 +113,15 @@ async def _watch(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Pie
     except EngineFailed:
         failed = True
         raise
+    except EngineStopped:  # ended by the server's shutdown
+        stopped = True
+        raise
     finally:
         # Report before awaiting anything: a cancelled handler gets no further checkpoint.
         if failed:
             status, finish = (200 if stream else 500), FinishReason.ERROR
+        elif stopped:
+            status, finish = (200 if stream else 503), FinishReason.ABORT
         elif finish is not None:
             status = 200
         else:  # the client left: a stream's 200 was already sent; 499 as nginx logs it
