@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server sets it (caldrix/cli.py)
+# No OMP_WAIT_POLICY here, unlike the server (caldrix/cli.py): PASSIVE makes transformers
+# 2-3x slower on a quiet machine, and caldrix's engine measured the same either way.
 
 import torch  # noqa: E402
 import trio  # noqa: E402
@@ -137,7 +138,7 @@ def main() -> None:
             hf[threads] = (h1, 8 * n / hf_run(model, tok, texts, n))
 
     print(f"\nSmolLM2 decode, {n} greedy tokens, dtype {str(dtype).removeprefix('torch.')}, {weights}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.1f}")
     cols = "".join(f"{f'hf {t}T':>10}{'ratio':>7}" for t in hf)
     print(f"{'':28}{'caldrix':>10}{cols}")
     for label, ours, i in (("single stream tok/s", c1, 0), ("8 streams aggregate tok/s", c8, 1)):

@@ -1,6 +1,7 @@
 """Serving benchmark: caldrix serve against its peers, same model, same machine, one run.
 
-    .venv/bin/python bench/serve.py [--quick] [--json OUT.json] [--skip llama,hf,mb1]
+    .venv/bin/python bench/serve.py [--quick] [--json OUT.json] [--skip caldrix,mb1,llama,hf]
+                                    [--llama-wait-policy active|default|passive] [--rebuild-llama]
 
 Peers, one at a time (never two decoding at once):
   caldrix           `caldrix serve GGUF --max-batch 8` (and, unless --quick, a second server at
@@ -48,7 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Every peer runs in the environment the user gave this script. caldrix serve sets
 # OMP_WAIT_POLICY=PASSIVE for itself (caldrix/cli.py); the peers must not inherit that: measured
-# here, llama.cpp's OpenMP pool decodes about 3.4 times slower with it (35 against 120 tok/s).
+# here, llama.cpp's OpenMP pool decodes about 3.4 times slower with it (35 against 120 tok/s) and
+# transformers generate about 2.4 times slower (19 against 45 tok/s). --llama-wait-policy active
+# was tried too: no steady difference from leaving it unset, both swing between ~35 and ~120.
 ENV = dict(os.environ)
 
 BENCH_VENV = Path(os.environ.get("CALDRIX_BENCH_VENV") or ROOT / ".venv-bench")  # llama-cpp-python's own venv
@@ -443,41 +446,45 @@ class Plan:
         self.quick = quick
         self.tokens = 32 if quick else 128
         self.reps = 1 if quick else 3
+        self.single_reps = 1 if quick else 5  # the single stream swings most from run to run
         self.words = words
         self.long = [words.exact(f"long-{i}", 512) for i in range(self.reps)]
         self.warm_long = words.exact("warm-up", 512)
+        self.mixed_long = words.exact("mixed-long", 512)
         self.traces = traces
         self.trace_limit = 6 if quick else None
 
 
-def run_http(srv: Server, plan: Plan, *, single_only: bool = False) -> dict:
+def run_http(srv: Server, plan: Plan, out: dict, *, single_only: bool = False) -> dict:
+    """Every workload against srv; the numbers go into `out` as they come (kept on a failure)."""
     import trio
 
-    return trio.run(_run_http, srv, plan, single_only)
+    trio.run(_run_http, srv, plan, out, single_only)
+    return out
 
 
-async def _run_http(srv: Server, plan: Plan, single_only: bool) -> dict:
+async def _run_http(srv: Server, plan: Plan, out: dict, single_only: bool) -> None:
     import trio
 
     n = plan.tokens
-    out: dict = {}
     async with client_for(srv) as client:
         progress(f"  {srv.kind}: warm-up")
         check([await stream(client, body_for(srv, "Hello there.", 8))], 8, "warm-up")
         check([await stream(client, body_for(srv, plan.warm_long, 4))], 4, "warm-up")
 
-        progress(f"  {srv.kind}: single stream, {plan.reps} x {n} tokens")
+        progress(f"  {srv.kind}: single stream, {plan.single_reps} x {n} tokens")
         recs = []
-        for i in range(plan.reps):
+        for i in range(plan.single_reps):
             recs.append(await stream(client, body_for(srv, PROMPTS[i], n)))
         check(recs, n, "single stream")
         out["single_runs_tok_s"] = [r.tokens / r.e2e for r in recs]
         out["single_tok_s"] = median(out["single_runs_tok_s"])
+        out["single_best_tok_s"] = max(out["single_runs_tok_s"])
         out["single_ttft_ms"] = ms(median([r.ttft for r in recs]))
         gaps = [g for r in recs for g in r.gaps]
         out["single_itl_p50_ms"], out["single_itl_p99_ms"] = ms(pct(gaps, 0.5)), ms(pct(gaps, 0.99))
         if single_only:
-            return out
+            return
 
         progress(f"  {srv.kind}: 8 concurrent streams x {n} tokens")
         recs = [Rec() for _ in range(8)]
@@ -514,7 +521,7 @@ async def _run_http(srv: Server, plan: Plan, single_only: bool) -> dict:
 
         async def late_long() -> None:
             await half.wait()
-            await stream(client, body_for(srv, plan.words.exact("mixed-long", 512), 8), long_rec)
+            await stream(client, body_for(srv, plan.mixed_long, 8), long_rec)
 
         async with trio.open_nursery() as nursery:
             for i in range(4):
@@ -532,7 +539,6 @@ async def _run_http(srv: Server, plan: Plan, single_only: bool) -> dict:
             progress(f"  {srv.kind}: trace {path.name}")
             t = await replay_trace(client, srv, plan, path)
             out.update({f"trace_{name}_{k}": v for k, v in t.items()})
-    return out
 
 
 async def replay_trace(client, srv: Server, plan: Plan, path: Path) -> dict:
@@ -613,7 +619,7 @@ def hf_worker(spec: dict) -> dict:
         res.setdefault("single_runs_tok_s", []).append(rates[-1])
         ttfts.append(times[0] - t)
         gaps += [b - a for a, b in zip(times, times[1:])]
-    res.update(single_tok_s=median(rates), single_ttft_ms=ms(median(ttfts)),
+    res.update(single_tok_s=median(rates), single_best_tok_s=max(rates), single_ttft_ms=ms(median(ttfts)),
                single_itl_p50_ms=ms(pct(gaps, 0.5)), single_itl_p99_ms=ms(pct(gaps, 0.99)))
     print("[hf] batch of 8 (left padding)", file=sys.stderr, flush=True)
     t, times, _ = gen(PROMPTS, n)
@@ -632,7 +638,7 @@ def hf_worker(spec: dict) -> dict:
 
 
 def run_hf(model_dir: Path, plan: Plan, logdir: Path) -> dict:
-    spec = {"model_dir": str(model_dir), "tokens": plan.tokens, "reps": plan.reps, "long": plan.long,
+    spec = {"model_dir": str(model_dir), "tokens": plan.tokens, "reps": plan.single_reps, "long": plan.long,
             "warm_long": plan.warm_long}
     spec_path = logdir / "hf-spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -647,8 +653,9 @@ def run_hf(model_dir: Path, plan: Plan, logdir: Path) -> dict:
 
 # (key, label, unit, better): better is "higher" or "lower"; a ratio is always caldrix / peer.
 ROWS = [
-    ("single_tok_s", "single stream tok/s", "tok/s", "higher"),
-    ("single_mb1_tok_s", "single stream tok/s, caldrix --max-batch 1", "tok/s", "higher"),
+    ("single_tok_s", "single stream tok/s (median run)", "tok/s", "higher"),
+    ("single_best_tok_s", "single stream tok/s (best run)", "tok/s", "higher"),
+    ("single_mb1_tok_s", "single stream tok/s (median), caldrix --max-batch 1", "tok/s", "higher"),
     ("single_ttft_ms", "single stream TTFT", "ms", "lower"),
     ("single_itl_p50_ms", "single stream ITL p50", "ms", "lower"),
     ("single_itl_p99_ms", "single stream ITL p99", "ms", "lower"),
@@ -688,9 +695,13 @@ def fmt(v, unit: str) -> str:
     return f"{v:.1f}"
 
 
+def row_label(label: str, unit: str) -> str:
+    return label if re.search(rf"(^|\s){re.escape(unit)}(\s|$)", label) else f"{label} ({unit})"
+
+
 def table(results: dict, na: dict, traces: list[Path]) -> str:
     rows = all_rows(traces)
-    w0 = max(len(f"{label} ({unit})") for _, label, unit, _ in rows) + 2
+    w0 = max(len(row_label(label, unit)) for _, label, unit, _ in rows) + 2
     head = f"{'':{w0}}" + "".join(f"{name:>14}" for _, name in PEERS) + f"{'cx/llama':>10}{'cx/tf':>8}  better"
     lines = [head, "-" * len(head)]
     for key, label, unit, better in rows:
@@ -704,7 +715,7 @@ def table(results: dict, na: dict, traces: list[Path]) -> str:
             ratios.append("-" if (c is None or v in (None, 0)) else f"{c / v:.2f}")
         if not any(v is not None for v in vals):
             continue
-        lines.append(f"{label + ' (' + unit + ')':{w0}}" + "".join(cells) + f"{ratios[0]:>10}{ratios[1]:>8}  {better}")
+        lines.append(f"{row_label(label, unit):{w0}}" + "".join(cells) + f"{ratios[0]:>10}{ratios[1]:>8}  {better}")
     for p, name in PEERS:
         if p in na:
             lines.append(f"n/a {name}: {na[p]}")
@@ -720,8 +731,8 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH", default=None, help="also write every number to PATH as JSON")
     ap.add_argument("--skip", default="", help="comma list of: caldrix, mb1, llama, hf")
     ap.add_argument("--llama-wait-policy", choices=["default", "active", "passive"], default="default",
-                    help="OMP_WAIT_POLICY for llama-cpp-python's server (default: as this shell has it); "
-                         "its 2-thread decode is sensitive to it on a 2-core machine, see docs/performance.md")
+                    help="OMP_WAIT_POLICY for llama-cpp-python's server: default (as this shell has it), "
+                         "active or passive; see docs/performance.md")
     ap.add_argument("--rebuild-llama", action="store_true", help="retry a llama-cpp-python build that failed before")
     ap.add_argument("--hf-worker", metavar="SPEC", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -740,7 +751,7 @@ def main() -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     meta: dict = {"date": started, "loadavg_start": loadavg(), "quick": args.quick, "gguf": str(gguf),
                   "context": CONTEXT, "threads": THREADS, "cpu": cpu_name(), "cores": os.cpu_count(),
-                  "python": platform.python_version(), "loadavg": {},
+                  "python": platform.python_version(), "loadavg": {}, "steal_pct": {},
                   "llama_wait_policy": args.llama_wait_policy, "omp_wait_policy_env": ENV.get("OMP_WAIT_POLICY")}
     progress(f"model {gguf.name}; load average {meta['loadavg_start']}; {'quick' if args.quick else 'full'} run")
     model_dir = convert(gguf)
@@ -749,6 +760,7 @@ def main() -> int:
     meta["tokens"] = plan.tokens
     results: dict[str, dict] = {}
     na: dict[str, str] = {}
+    notes: list[str] = []
     logdir = Path(tempfile.mkdtemp(prefix="caldrix-bench-"))
     meta["logs"] = str(logdir)
 
@@ -773,22 +785,20 @@ def main() -> int:
             progress("caldrix serve --max-batch 8: starting")
             srv = start_caldrix(gguf, 8, logdir)
             try:
-                results["caldrix"] = run_http(srv, plan)
+                run_http(srv, plan, results.setdefault("caldrix", {}))
             finally:
                 results.setdefault("caldrix", {})["peak_rss_mb"] = srv.stop()
             if not args.quick and "mb1" not in skip:
                 progress("caldrix serve --max-batch 1: starting")
                 srv = start_caldrix(gguf, 1, logdir)
                 try:
-                    r1 = run_http(srv, plan, single_only=True)
+                    r1 = run_http(srv, plan, {}, single_only=True)
                     results["caldrix"]["single_mb1_tok_s"] = r1["single_tok_s"]
                     results["caldrix"]["mb1"] = r1
                 finally:
                     results["caldrix"]["mb1_peak_rss_mb"] = srv.stop()
         except Exception as exc:  # noqa: BLE001 -- a peer that fails is a column of n/a, not a crash
-            progress(f"caldrix failed: {exc}")
-            if not results.get("caldrix", {}).get("single_tok_s"):
-                na["caldrix"] = str(exc)[:400]
+            failed("caldrix", exc, results, na, notes)
 
     if "llama" not in na:
         phase(meta, "llama")
@@ -796,13 +806,11 @@ def main() -> int:
             progress(f"llama-cpp-python {llama_version} server: starting")
             srv = start_llama(gguf, logdir, args.llama_wait_policy)
             try:
-                results["llama"] = run_http(srv, plan)
+                run_http(srv, plan, results.setdefault("llama", {}))
             finally:
                 results.setdefault("llama", {})["peak_rss_mb"] = srv.stop()
         except Exception as exc:  # noqa: BLE001
-            progress(f"llama-cpp-python failed: {exc}")
-            if not results.get("llama", {}).get("single_tok_s"):
-                na["llama"] = str(exc)[:400]
+            failed("llama", exc, results, na, notes)
 
     if "hf" in skip:
         na["hf"] = "skipped (--skip hf)"
@@ -813,34 +821,66 @@ def main() -> int:
             results["hf"] = run_hf(model_dir, plan, logdir)
             meta["hf_dtype"] = results["hf"].get("dtype")
         except Exception as exc:  # noqa: BLE001
-            progress(f"transformers failed: {exc}")
-            na["hf"] = str(exc)[:400]
+            failed("hf", exc, results, na, notes)
 
+    phase(meta, None)
     meta["loadavg_end"] = loadavg()
     meta["wall_s"] = round(time.monotonic() - T0, 1)
     text = table(results, na, traces)
     print(f"\ncaldrix serving benchmark, {gguf.name}, {plan.tokens} greedy tokens a stream, {THREADS} threads, "
           f"context {CONTEXT}; {started}")
     print(f"machine: {meta['cpu']}, {meta['cores']} cores; load average (1, 5, 15 min) {meta['loadavg_start']} "
-          f"at start, {meta['loadavg_end']} at end; per peer {meta['loadavg']}")
+          f"at start, {meta['loadavg_end']} at end")
+    names = dict(PEERS)
+    print("per peer: 1-min load average as it started, CPU steal while it ran: " + ", ".join(
+        f"{names[p]} {la[0]:.2f} / {meta['steal_pct'].get(p, '-')}%" for p, la in meta["loadavg"].items()))
     print(f"versions: caldrix {meta.get('caldrix')}, llama-cpp-python {llama_version or 'n/a'}, "
           f"transformers dtype {meta.get('hf_dtype', 'n/a')}; OMP_WAIT_POLICY for llama.cpp: "
           f"{args.llama_wait_policy if args.llama_wait_policy != 'default' else ENV.get('OMP_WAIT_POLICY', 'unset')}; "
           f"wall {meta['wall_s']:.0f} s\n")
     print(text)
     runs = {name: [round(x, 1) for x in results.get(p, {}).get("single_runs_tok_s") or ()] for p, name in PEERS}
-    print("single stream runs, tok/s (the row above is their median): "
+    for note in notes:
+        print(note)
+    print("single stream runs, tok/s: "
           + "; ".join(f"{name} {v}" for name, v in runs.items() if v))
     print("\nratios are caldrix / peer; 'better' says which way is good for caldrix on that row. "
           "llama-cpp-python's server runs one request at a time; transformers has no server (no traces, no mixed row).")
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "na": na}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "na": na, "notes": notes}, indent=1))
         progress(f"wrote {args.json}")
     return 0
 
 
-def phase(meta: dict, name: str) -> None:
-    meta["loadavg"][name] = loadavg()
+def cpu_ticks() -> list[int]:
+    """/proc/stat's first line: user nice system idle iowait irq softirq steal ..."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return []
+
+
+def failed(peer: str, exc: BaseException, results: dict, na: dict, notes: list[str]) -> None:
+    """A peer that fails is a column of n/a (or, after some workloads, a note), not a crash."""
+    while getattr(exc, "exceptions", None):  # an exception group: trio wraps a nursery's errors
+        exc = exc.exceptions[0]
+    why = f"{type(exc).__name__}: {exc}"[:400]
+    progress(f"{dict(PEERS)[peer]} failed: {why}")
+    if results.get(peer, {}).get("single_tok_s") is None:
+        na[peer] = why
+    else:
+        notes.append(f"{dict(PEERS)[peer]} stopped part-way, later rows missing: {why}")
+
+
+def phase(meta: dict, name: str | None) -> None:
+    """Close the phase running (its CPU steal %), open `name` (its load average at the start)."""
+    prev, ticks = meta.pop("_phase", None), cpu_ticks()
+    if prev and len(prev[1]) > 7 and len(ticks) > 7:
+        total = sum(ticks[:8]) - sum(prev[1][:8])
+        meta["steal_pct"][prev[0]] = round(100.0 * (ticks[7] - prev[1][7]) / total, 1) if total > 0 else None
+    if name is not None:
+        meta["loadavg"][name] = loadavg()
+        meta["_phase"] = (name, ticks)
 
 
 def cpu_name() -> str:
