@@ -12,10 +12,9 @@ import math
 import os
 import sys
 
-# Before anything imports torch: OpenMP worker threads that spin while waiting for work steal
-# the cores from every other thread on a small machine (the event loop, a second process);
-# measured on 2 cores under load, a bf16 matmul went from ~0.1 ms to ~12 ms with spinning.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left to the environment (see Engine.threads_for): its default (spin
+# briefly, then sleep) measured fastest on a quiet machine; OMP_WAIT_POLICY=PASSIVE protects a
+# machine shared with other busy processes, at some speed.
 
 from caldrix import __version__
 from caldrix.config import DEFAULT_PORT, ServeConfig

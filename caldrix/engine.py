@@ -16,6 +16,7 @@ forward pass. Which 4-bit or dense kernel a call uses depends on its row count a
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -63,6 +64,7 @@ class Engine:
         model.setup_rope(context)
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
         self.max_threads = torch.get_num_threads()
+        self.passive_omp = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
         # Mirror of the token ids in each slot's KV rows: the repetition penalty reads it.
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]
 
@@ -89,12 +91,17 @@ class Engine:
         return engine
 
     def threads_for(self, prefill_tokens: int) -> int:
-        """Decode steps and small chunks are many small, memory-bound ops: one thread runs them
-        faster than two (each parallel region pays a wake-up), and leaves a core to the event
-        loop. Long prefill chunks are compute-bound and use every core. Measured on 2 cores:
-        a 128-token chunk took 138 ms on one thread and 172 ms on two; 512 tokens took 679 ms
-        and 413 ms."""
-        return self.max_threads if prefill_tokens >= PARALLEL_PREFILL_TOKENS else 1
+        """Threads for a step. Long prefill chunks are compute-bound and use every core. For
+        decode it depends on how idle OpenMP threads wait. Measured on 2 cores, SmolLM2 4-bit,
+        ms per decode step at 1 / 8 streams:
+          default policy (spin briefly, then sleep): 1 thread 14.5 / 38.9, 2 threads 13.6 / 30.4
+          OMP_WAIT_POLICY=PASSIVE (sleep at once):   1 thread 15.4 / 39.4, 2 threads 23.7 / 58.5
+        so under PASSIVE (a machine shared with busy processes, and the test suite) decode
+        steps and small chunks take one thread, where each wake-up would cost more than the
+        small operation it helps with."""
+        if prefill_tokens >= PARALLEL_PREFILL_TOKENS or not self.passive_omp:
+            return self.max_threads
+        return 1
 
     @property
     def kv_bytes(self) -> int:
