@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-# As caldrix/cli.py does, before torch loads: idle OpenMP threads must sleep, not spin, or the
-# test process and the server process it starts starve each other on a 2-core machine.
+# Before torch loads: idle OpenMP threads sleep at once instead of spinning, so the test process
+# and the server processes it starts (which inherit this) do not starve each other on 2 cores.
+# The engine then decodes on one thread (Engine.threads_for).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pathlib import Path
