@@ -310,10 +310,13 @@ class Server:
         return peak
 
 
+CALDRIX_FLAGS: list[str] = []  # --caldrix-flags: extra `caldrix serve` flags to try
+
+
 def start_caldrix(gguf: Path, max_batch: int, logdir: Path) -> Server:
     port = free_port()
     args = [sys.executable, "-m", "caldrix", "serve", str(gguf), "--port", str(port), "--max-batch", str(max_batch),
-            "--context", str(CONTEXT), "--log-level", "warning"]
+            "--context", str(CONTEXT), "--log-level", "warning", *CALDRIX_FLAGS]
     srv = Server("caldrix", args, port, logdir / f"caldrix-mb{max_batch}.log")
     try:
         srv.wait_ready(600)
@@ -730,12 +733,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="32 tokens a stream, one run each, short traces, no --max-batch 1 server")
     ap.add_argument("--json", metavar="PATH", default=None, help="also write every number to PATH as JSON")
     ap.add_argument("--skip", default="", help="comma list of: caldrix, mb1, llama, hf")
+    ap.add_argument("--caldrix-flags", default="", help='extra caldrix serve flags, e.g. "--prefill-chunk 32"')
     ap.add_argument("--llama-wait-policy", choices=["default", "active", "passive"], default="default",
                     help="OMP_WAIT_POLICY for llama-cpp-python's server: default (as this shell has it), "
                          "active or passive; see docs/performance.md")
     ap.add_argument("--rebuild-llama", action="store_true", help="retry a llama-cpp-python build that failed before")
     ap.add_argument("--hf-worker", metavar="SPEC", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    CALDRIX_FLAGS.extend(args.caldrix_flags.split())
     if args.hf_worker:
         print(json.dumps(hf_worker(json.loads(Path(args.hf_worker).read_text()))))
         return 0
