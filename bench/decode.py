@@ -29,16 +29,7 @@ from caldrix.sched.loop import Scheduler  # noqa: E402
 from caldrix.sched.policy import Policy  # noqa: E402
 from caldrix.sched.slots import SlotTable  # noqa: E402
 
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a bicycle works to a child.",
-    "List some facts about the planet Mars.",
-    "Describe your ideal weekend in detail.",
-    "What are the benefits of learning a second language?",
-    "Give me a recipe for a simple tomato soup.",
-    "Why is the sky blue? Explain step by step.",
-    "Tell me about the history of the printing press.",
-]
+from prompts import PROMPTS  # noqa: E402  (bench/prompts.py, shared by the benchmarks)
 
 
 def progress(msg: str) -> None:

@@ -62,16 +62,7 @@ THREADS = 2
 CONTEXT = 2048  # rows per sequence, the same for both servers: the longest request is 512 + 16
 LISTENING = re.compile(r"caldrix: listening on (http://\S+)/v1")
 
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a bicycle works to a child.",
-    "List some facts about the planet Mars.",
-    "Describe your ideal weekend in detail.",
-    "What are the benefits of learning a second language?",
-    "Give me a recipe for a simple tomato soup.",
-    "Why is the sky blue? Explain step by step.",
-    "Tell me about the history of the printing press.",
-]
+from prompts import PROMPTS  # noqa: E402  (bench/prompts.py, shared by the benchmarks)
 
 T0 = time.monotonic()
 
