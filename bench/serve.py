@@ -47,10 +47,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# Every peer runs in the environment the user gave this script. caldrix serve sets
-# OMP_WAIT_POLICY=PASSIVE for itself (caldrix/cli.py); the peers must not inherit that: measured
-# here, llama.cpp's OpenMP pool decodes about 3.4 times slower with it (35 against 120 tok/s) and
-# transformers generate about 2.4 times slower (19 against 45 tok/s). --llama-wait-policy active
+# Every peer runs in the environment the user gave this script; nothing sets
+# OMP_WAIT_POLICY for them. Measured here with PASSIVE, llama.cpp's OpenMP pool decodes about
+# 3.4 times slower (35 against 120 tok/s) and transformers generate about 2.4 times slower (19 against 45 tok/s). --llama-wait-policy active
 # was tried too: no steady difference from leaving it unset, both swing between ~35 and ~120.
 ENV = dict(os.environ)
 

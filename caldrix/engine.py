@@ -126,12 +126,13 @@ class Engine:
             logits = self.model.logits(self._decode(decode))  # [rows, V]: the runs first, then padding
             for i, r in enumerate(decode):
                 if r.pick_at:
-                    self._pick(r, logits[i : i + 1], picked, reads)
+                    picked[id(r)], reads[id(r)] = pick_run(r, logits[i : i + 1], self._rows[r.slot])
         for r in prefill:
             at = Attend("prefill", (r.slot,), torch.arange(r.start, r.end), torch.arange(r.start, r.end))
             hidden = self.model(torch.tensor(r.token_ids), at, self.kv)
             if r.pick_at:
-                self._pick(r, self.model.logits(hidden[list(r.pick_at)]), picked, reads)
+                logits = self.model.logits(hidden[list(r.pick_at)])
+                picked[id(r)], reads[id(r)] = pick_run(r, logits, self._rows[r.slot])
         return StepOutput(
             tuple(RunOutput(tuple(picked.get(id(r), ())), tuple(reads.get(id(r), ()))) for r in batch.runs)
         )
@@ -144,9 +145,6 @@ class Engine:
         lengths = tuple(r.start + 1 for r in runs) + (0,) * pad
         at = Attend("decode", slots, positions, positions, lengths, torch.tensor(slots))
         return self.model(torch.tensor([r.token_ids[0] for r in runs] + [0] * pad), at, self.kv)
-
-    def _pick(self, r: Run, logits: torch.Tensor, picked: dict, reads: dict) -> None:
-        picked[id(r)], reads[id(r)] = pick_run(r, logits, self._rows[r.slot])
 
 
 def pick_run(r: Run, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float]]:
