@@ -36,6 +36,9 @@ class Run:
 @attrs.frozen
 class Batch:
     runs: tuple[Run, ...]
+    # CPU threads the step may use; 0: the engine decides. The scheduler gives 1 to each of
+    # two steps it runs at once (a decode step beside a prefill chunk), one core each.
+    threads: int = 0
 
     @property
     def num_tokens(self) -> int:

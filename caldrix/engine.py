@@ -104,6 +104,15 @@ class Engine:
         return 1
 
     @property
+    def overlap_lanes(self) -> bool:
+        """Whether a decode step and a prefill step may run at once, on one core each, in two
+        threads (they touch disjoint slots; `_rows` and the KV cache are per slot). Only where
+        a step's result does not depend on its thread count: bfloat16 on the CPU, dense or
+        4-bit, checked bit for bit by tests/test_engine.py. float32 matmuls split their sums
+        by thread count, so a float32 engine runs one step at a time."""
+        return self.device == "cpu" and self.dtype is torch.bfloat16 and self.max_threads >= 2
+
+    @property
     def kv_bytes(self) -> int:
         return self.kv.nbytes
 
@@ -112,7 +121,7 @@ class Engine:
         decode = [r for r in batch.runs if len(r.token_ids) == 1]
         prefill = [r for r in batch.runs if len(r.token_ids) > 1]
         # Set per step, in whichever worker thread runs it (OpenMP's count is per thread).
-        torch.set_num_threads(self.threads_for(sum(len(r.token_ids) for r in prefill)))
+        torch.set_num_threads(batch.threads or self.threads_for(sum(len(r.token_ids) for r in prefill)))
         assert len({r.slot for r in batch.runs}) == len(batch.runs), "one run per slot per step"
         for r in batch.runs:
             assert r.end <= self.context, f"run past the context: {r.end} > {self.context}"

@@ -46,7 +46,8 @@ def test_chunked_prefill_cuts_at_aligned_boundaries():
     policy.admit(seq)
     starts = []
     while seq.in_prefill:
-        work = policy.schedule()
+        assert policy.schedule_decode() is None
+        work = policy.schedule_prefill()
         (run,) = work.batch.runs
         starts.append((run.start, len(run.token_ids), run.pick_at))
         policy.postprocess(work, StepOutput((RunOutput((5,) if run.pick_at else ()),)))
@@ -54,19 +55,27 @@ def test_chunked_prefill_cuts_at_aligned_boundaries():
     assert seq.output == [5]
 
 
-def test_decode_runs_join_a_prefill_within_the_budget():
-    policy = Policy(SlotTable(2), chunk=4, prefill_budget=4)
+def test_decode_and_prefill_are_separate_work():
+    policy = Policy(SlotTable(3), chunk=4, prefill_budget=6)
     a, _ = make_sub([1, 3])
     b, _ = make_sub(range(10, 22))
-    sa, sb = Sequence(a), Sequence(b)
+    c, _ = make_sub(range(30, 33))
+    sa, sb, sc = Sequence(a), Sequence(b), Sequence(c)
     policy.admit(sa)
-    work = policy.schedule()
+    work = policy.schedule_prefill()
     policy.postprocess(work, StepOutput((RunOutput((7,)),)))
+    assert policy.schedule_prefill() is None
     policy.admit(sb)
-    work = policy.schedule()
-    # a decodes one token while b gets one chunk: the long prompt cannot stall a
-    kinds = [(r.slot, len(r.token_ids)) for r in work.batch.runs]
-    assert kinds == [(sa.slot, 1), (sb.slot, 4)]
+    policy.admit(sc)
+    # a decodes one token; b gets one chunk, and c's 3 tokens do not fit the budget's rest
+    decode, prefill = policy.schedule_decode(), policy.schedule_prefill()
+    assert [(r.slot, r.token_ids) for r in decode.batch.runs] == [(sa.slot, (7,))]
+    assert [(r.slot, len(r.token_ids)) for r in prefill.batch.runs] == [(sb.slot, 4)]
+    policy.postprocess(prefill, StepOutput((RunOutput(()),)))
+    # the budget's first chunk always runs, then whatever else fits
+    prefill = policy.schedule_prefill()
+    assert [(r.slot, len(r.token_ids)) for r in prefill.batch.runs] == [(sb.slot, 4)]
+    assert policy.has_decoding()
 
 
 def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
@@ -76,7 +85,7 @@ def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
     seq = Sequence(sub)
     policy.admit(seq)
     for token in (40, 41):
-        work = policy.schedule()
+        work = policy.schedule_prefill() or policy.schedule_decode()
         policy.postprocess(work, StepOutput((RunOutput((token,)),)))
     assert seq.finish is FinishReason.LENGTH
     assert slots.held[seq.slot] == (5, 6, 7, 8, 40)  # the last token has no KV row yet
@@ -84,7 +93,7 @@ def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
     s2 = Sequence(again)
     policy.admit(s2)
     assert (s2.slot, s2.prefix_rows) == (seq.slot, 5)
-    (run,) = policy.schedule().batch.runs
+    (run,) = policy.schedule_prefill().batch.runs
     assert run.start == 5 and run.token_ids == (9, 9)
     # an identical prompt still recomputes its last token, whose logits pick the reply
     same, _ = make_sub([5, 6, 7])

@@ -16,7 +16,7 @@ import trio
 
 from caldrix.batch import Batch, StepOutput
 from caldrix.protocol import FinishReason, Submission, TokenEvent
-from caldrix.sched.policy import Policy
+from caldrix.sched.policy import Policy, Work
 from caldrix.sched.sequence import Sequence, Status
 
 log = logging.getLogger("caldrix")
@@ -40,6 +40,7 @@ def thread_runner() -> StepRunner:
     async def run(fn, batch):
         return await trio.to_thread.run_sync(fn, batch, limiter=limiter)
 
+    run.threaded = True
     return run
 
 
@@ -52,29 +53,64 @@ class SchedStats:
     steps: int
 
 
+@attrs.frozen
+class Landed:
+    """What the prefill lane hands back to the loop: its Work and the step's output, or the
+    exception the engine raised."""
+
+    work: Work
+    out: StepOutput | None
+    error: Exception | None = None
+
+
+def _prefill_runner(sched: "Scheduler") -> StepRunner:
+    # A threaded decode lane gets a threaded prefill lane with a limiter of its own; a runner
+    # given by a test (inline) serves both lanes.
+    return thread_runner() if getattr(sched.run_step, "threaded", False) else sched.run_step
+
+
 @attrs.define(eq=False)
 class Scheduler:
+    """The step scheduler: one task, two lanes.
+
+    The decode lane steps every sequence past its prompt, one token each. The prefill lane runs
+    prompt chunks. Where the engine allows it (`engine.overlap_lanes`: bfloat16 on a CPU with
+    two or more cores) a chunk runs in its own thread while decode steps go on beside it, one
+    core each, so a long prompt arriving does not stall the running streams' tokens; otherwise
+    the loop waits for each chunk before the next decode step. Only this task touches
+    sequences and slots: the prefill lane's task just runs the step and hands back a Landed.
+    """
+
     engine: StepEngine
     policy: Policy
-    run_step: StepRunner = attrs.field(factory=thread_runner)
+    run_step: StepRunner = attrs.field(factory=thread_runner)  # the decode lane
+    run_prefill: StepRunner = attrs.field(default=attrs.Factory(_prefill_runner, takes_self=True))
     on_finish: Callable[[Sequence], None] | None = None  # telemetry hook, called synchronously
     failed: str | None = None  # set once the engine has failed: the server answers 503
     # Set (by the server's shutdown watchdog) to end every running request now, cleanly.
     cutoff: trio.Event = attrs.Factory(trio.Event)
     _steps: int = 0
+    _in_flight: Work | None = None  # the prefill Work whose step is running now
 
     def statistics(self, queued: int = 0) -> SchedStats:
         slots = self.policy.slots
         return SchedStats(len(self.policy.running), queued, slots.num_free, slots.rows_held(), self._steps)
+
+    @property
+    def overlap(self) -> bool:
+        return bool(getattr(self.engine, "overlap_lanes", False))
 
     async def run(self, requests: trio.MemoryReceiveChannel[Submission], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve submissions until the request channel is closed and the running ones end.
 
         On an engine failure every running request gets an error event, the failure is kept in
         `failed`, and the task returns, closing the request channel: routes then see a broken
-        channel and answer 503.
+        channel and answer 503. A prefill step in flight is always waited for (its thread
+        writes KV rows), also on cancel: the lane's task lives in this task's nursery.
         """
-        async with requests:
+        # The prefill lane's hand-back: at most one Work is in flight, so one slot of buffer.
+        landed_tx, landed_rx = trio.open_memory_channel[Landed](1)
+        async with requests, trio.open_nursery() as lanes:
             task_status.started()
             while True:
                 if not self.policy.has_running():
@@ -90,22 +126,74 @@ class Scheduler:
                 self._drop_abandoned()
                 if self.cutoff.is_set():
                     self._cut_all()
+                    if self._in_flight is not None and not self._land(await landed_rx.receive(), requests):
+                        return
                     continue
-                work = self.policy.schedule()
-                if work is None:
-                    await trio.lowlevel.checkpoint()
-                    continue
-                try:
-                    out = await self.run_step(self.engine.step, work.batch)
-                except Exception as exc:  # the engine is gone; fail loudly, never silently
-                    log.exception("engine step failed")
-                    self.failed = f"{type(exc).__name__}: {exc}"
-                    self._fail_all(requests)
+                if self._in_flight is None:
+                    work = self.policy.schedule_prefill()
+                    if work is not None:
+                        threads = 1 if self.overlap and self.policy.has_decoding() else 0
+                        self._in_flight = work
+                        lanes.start_soon(self._prefill_lane, work, threads, landed_tx)
+                if self._in_flight is not None and not self.overlap:
+                    if not self._land(await landed_rx.receive(), requests):  # one step at a time
+                        return
+                work = self.policy.schedule_decode()
+                if work is not None and not await self._decode(work, requests):
                     return
-                self._steps += 1
-                now = time.monotonic()
-                for seq, event in self.policy.postprocess(work, out):
-                    self._emit(seq, event, now)
+                if self._in_flight is not None:
+                    if work is None:
+                        got = await landed_rx.receive()  # nothing to decode: wait for the chunk
+                    else:
+                        try:
+                            got = landed_rx.receive_nowait()
+                        except trio.WouldBlock:
+                            continue  # still running: decode on beside it
+                    if not self._land(got, requests):
+                        return
+                elif work is None:
+                    await trio.lowlevel.checkpoint()
+
+    async def _prefill_lane(self, work: Work, threads: int, landed: trio.MemorySendChannel[Landed]) -> None:
+        batch = attrs.evolve(work.batch, threads=threads) if threads else work.batch
+        try:
+            got = Landed(work, await self.run_prefill(self.engine.step, batch))
+        except Exception as exc:  # handed to the loop, which fails every request
+            got = Landed(work, None, exc)
+        landed.send_nowait(got)  # never blocks: the buffer holds the one Work in flight
+
+    async def _decode(self, work: Work, requests) -> bool:
+        """Run one decode step and emit its tokens; False if the engine failed. Beside a chunk
+        in flight the step takes one core, the chunk the other."""
+        batch = attrs.evolve(work.batch, threads=1) if self._in_flight is not None else work.batch
+        try:
+            out = await self.run_step(self.engine.step, batch)
+        except Exception as exc:
+            self._fail(exc, requests)  # a chunk still in flight is waited for by the nursery
+            return False
+        self._apply(work, out)
+        return True
+
+    def _land(self, got: Landed, requests) -> bool:
+        """Apply a landed prefill step; False if the engine failed (the loop then returns)."""
+        self._in_flight = None
+        if got.error is not None:
+            self._fail(got.error, requests)
+            return False
+        self._apply(got.work, got.out)
+        return True
+
+    def _apply(self, work: Work, out: StepOutput) -> None:
+        self._steps += 1
+        now = time.monotonic()
+        for seq, event in self.policy.postprocess(work, out):
+            self._emit(seq, event, now)
+
+    def _fail(self, exc: Exception, requests) -> None:
+        """The engine is gone; fail loudly, never silently."""
+        log.error("engine step failed", exc_info=exc)
+        self.failed = f"{type(exc).__name__}: {exc}"
+        self._fail_all(requests)
 
     def _admit(self, sub: Submission) -> None:
         seq = Sequence(sub)
@@ -119,9 +207,15 @@ class Scheduler:
     def _drop_abandoned(self) -> None:
         """Free the slot of every request whose route stopped listening (client gone, or a
         stop string ended it), within one step of it happening."""
-        for seq in list(self.policy.running):
+        for seq in self._settled():
             if seq.sub.events.statistics().open_receive_channels == 0:
                 self._end(seq, FinishReason.ABORT)
+
+    def _settled(self) -> list[Sequence]:
+        """Running sequences with no step in flight: those whose slots may be freed now. A
+        sequence whose chunk is running is dealt with once it lands."""
+        busy = self._in_flight.seqs if self._in_flight is not None else ()
+        return [seq for seq in self.policy.running if seq not in busy]
 
     def _emit(self, seq: Sequence, event: TokenEvent, now: float) -> None:
         if event.token_id is not None:
@@ -148,7 +242,7 @@ class Scheduler:
 
     def _cut_all(self) -> None:
         """Shutdown deadline: end every running request with a clean "shutting down"."""
-        self._answer_all(list(self.policy.running), FinishReason.ABORT, SHUTTING_DOWN)
+        self._answer_all(self._settled(), FinishReason.ABORT, SHUTTING_DOWN)
 
     def _fail_all(self, requests: trio.MemoryReceiveChannel[Submission]) -> None:
         """Answer every running and every queued request with the engine's error."""

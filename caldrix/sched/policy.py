@@ -1,13 +1,15 @@
 """Scheduling policy: pure and synchronous. It decides; loop.py awaits and emits.
 
-Each step every running sequence that has finished its prompt decodes one token, and prefilling
-sequences get prompt chunks within a per-step token budget. A chunk always ends on a multiple of
-`chunk` positions (or at the prompt's end), so a prompt is cut the same way whether it runs
-alone or beside others. One long prompt therefore delays the running streams by at most one
-chunk per step.
+Work comes in two kinds, one per lane of the loop (loop.py):
+- decode: every running sequence that has finished its prompt decodes one token;
+- prefill: prefilling sequences get prompt chunks within a per-step token budget.
+A chunk always ends on a multiple of `chunk` positions (or at the prompt's end), so a prompt is
+cut the same way whether it runs alone or beside others.
 
-Invariant: `schedule()` returns a Work whenever `has_running()` is true, because every running
-sequence contributes a run (a decode token or a prompt chunk).
+Invariant: when `has_running()` is true, `schedule_decode()` or `schedule_prefill()` returns a
+Work, because every running sequence is either decoding or prefilling. The loop must not ask
+for prefill work while an earlier prefill Work is still in flight (its sequences would be cut
+twice).
 """
 
 from __future__ import annotations
@@ -49,30 +51,41 @@ class Policy:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
-    def schedule(self) -> Work | None:
+    def has_decoding(self) -> bool:
+        return any(not seq.in_prefill for seq in self.running)
+
+    def schedule_decode(self) -> Work | None:
+        """One token for every sequence past its prompt; None if there is none."""
+        seqs = tuple(seq for seq in self.running if not seq.in_prefill)
+        runs = tuple(
+            Run(
+                slot=seq.slot,
+                start=seq.num_computed,
+                token_ids=(seq.output[-1],),
+                pick_at=(0,),
+                sampling=seq.sub.sampling,
+                draw_index=len(seq.output),
+            )
+            for seq in seqs
+        )
+        return Work(Batch(runs), seqs) if runs else None
+
+    def schedule_prefill(self) -> Work | None:
+        """Prompt chunks, oldest sequence first, within `prefill_budget` tokens (the first
+        chunk always runs); None if no sequence is prefilling."""
         runs: list[Run] = []
         seqs: list[Sequence] = []
         budget = self.prefill_budget
         for seq in self.running:
-            if seq.in_prefill:
-                run = self._chunk(seq, budget, first=not any(s.in_prefill for s in seqs))
-                if run is None:
-                    continue
-                budget -= len(run.token_ids)
-            else:
-                run = Run(
-                    slot=seq.slot,
-                    start=seq.num_computed,
-                    token_ids=(seq.output[-1],),
-                    pick_at=(0,),
-                    sampling=seq.sub.sampling,
-                    draw_index=len(seq.output),
-                )
+            if not seq.in_prefill:
+                continue
+            run = self._chunk(seq, budget, first=not runs)
+            if run is None:
+                continue
+            budget -= len(run.token_ids)
             runs.append(run)
             seqs.append(seq)
-        if not runs:
-            return None
-        return Work(Batch(tuple(runs)), tuple(seqs))
+        return Work(Batch(tuple(runs)), tuple(seqs)) if runs else None
 
     def _chunk(self, seq: Sequence, budget: int, *, first: bool) -> Run | None:
         prompt = seq.prompt
