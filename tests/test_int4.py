@@ -71,3 +71,35 @@ def test_4bit_batch_invariance(smollm2_dir, gguf_file):
     alone = generate(engine, prompts, 24, together=False)
     together = generate(engine, prompts, 24, together=True)
     assert alone == together
+
+
+@pytest.mark.parametrize("weights", ["4-bit", "dense"])
+def test_bf16_steps_do_not_depend_on_the_thread_count(smollm2_dir, gguf_file, weights):
+    """The scheduler runs a decode step and a prefill chunk at once on one core each, and
+    alone on every core (Engine.overlap_lanes): a bfloat16 step must give the same bits
+    either way, or a reply would depend on whether another prompt was arriving."""
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=4, context=256,
+                         int4_from=gguf_file if weights == "4-bit" else None)
+    assert engine.overlap_lanes == (torch.get_num_threads() >= 2)
+    model, kv = engine.model, engine.kv
+    ids = torch.arange(1000, 1160) % engine.vocab_size
+    got = {}
+    with torch.inference_mode():
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for slot in range(4):  # a 128-token chunk, then a 32-token one after it
+                h1 = model(ids[:128], Attend("prefill", (slot,), torch.arange(128), torch.arange(128)), kv)
+                h2 = model(ids[128:160], Attend("prefill", (slot,), torch.arange(128, 160), torch.arange(128, 160)), kv)
+            pos = torch.tensor([160, 150, 140, 130])
+            slots = (0, 1, 2, 3)
+            at = Attend("decode", slots, pos, pos, tuple(int(p) + 1 for p in pos), torch.tensor(slots))
+            d = model(ids[:4], at, kv)
+            got[threads] = (h1.clone(), h2.clone(), d.clone(), model.logits(d))
+    torch.set_num_threads(engine.max_threads)
+    for a, b in zip(got[1], got[2]):
+        assert torch.equal(a, b)
+
+
+def test_float32_engines_run_one_step_at_a_time(smollm2_dir):
+    engine = Engine.load(smollm2_dir, dtype=torch.float32, max_batch=2, context=64)
+    assert not engine.overlap_lanes

@@ -3,6 +3,8 @@ loop with a fake engine run inline (no threads, no torch)."""
 
 from __future__ import annotations
 
+import threading
+
 import trio
 import trio.testing
 
@@ -178,5 +180,109 @@ def test_engine_failure_answers_every_request_with_an_error():
             pass
         else:
             raise AssertionError("send after failure should fail")
+
+    trio.run(main)
+
+
+class LaneEngine(FakeEngine):
+    """A fake engine that allows overlapping lanes; its prefill steps (any run of more than one
+    token) wait in their worker thread until `release` is set, so a test can look at what
+    the decode lane does meanwhile."""
+
+    overlap_lanes = True
+
+    def __init__(self, fail_prefill: bool = False):
+        super().__init__()
+        self.release = threading.Event()
+        self.in_prefill = threading.Event()
+        self.fail_prefill = fail_prefill
+
+    def step(self, batch: Batch) -> StepOutput:
+        if any(len(r.token_ids) > 1 for r in batch.runs) and len(self.batches) > 0:
+            self.in_prefill.set()
+            assert self.release.wait(10), "the test never released the prefill step"
+            if self.fail_prefill:
+                raise RuntimeError("prefill boom")
+        return super().step(batch)
+
+
+async def _start_with_one_stream(engine, slots, tx):
+    """a (a one-token prompt, many tokens) is decoding; returns its event channel."""
+    a, a_rx = make_sub([1], max_tokens=60, rid="a", stop=frozenset())
+    await tx.send(a)
+    await a_rx.receive()
+    return a_rx
+
+
+def test_a_prompt_chunk_runs_beside_decode_steps_on_one_core_each():
+    async def main():
+        engine = LaneEngine()
+        slots = SlotTable(2)
+        sched = Scheduler(engine, Policy(slots, chunk=4, prefill_budget=4))  # real worker threads
+        tx, rx = trio.open_memory_channel(4)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run, rx)
+            a_rx = await _start_with_one_stream(engine, slots, tx)
+            b, b_rx = make_sub(range(10, 20), max_tokens=2, rid="b")
+            await tx.send(b)
+            await trio.to_thread.run_sync(engine.in_prefill.wait, 10)
+            # b's first chunk is held in its thread; a keeps getting tokens meanwhile
+            with trio.fail_after(10):
+                for _ in range(5):
+                    await a_rx.receive()
+            engine.release.set()
+            assert [e.token_id for e in [e async for e in b_rx]] == [20, 21]
+            await tx.aclose()
+        beside = [bt for bt in engine.batches if bt.threads == 1]
+        assert {len(r.token_ids) for bt in beside for r in bt.runs} == {1, 4, 2}  # decode and b's chunks
+        assert engine.batches[0].threads == 0  # a's prompt ran alone: every core
+
+    trio.run(main)
+
+
+def test_a_client_gone_during_its_chunk_frees_the_slot_only_once_the_chunk_lands():
+    async def main():
+        engine = LaneEngine()
+        slots = SlotTable(2)
+        sched = Scheduler(engine, Policy(slots, chunk=4, prefill_budget=4))
+        tx, rx = trio.open_memory_channel(4)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run, rx)
+            a_rx = await _start_with_one_stream(engine, slots, tx)
+            b, b_rx = make_sub(range(10, 20), max_tokens=2, rid="b")
+            await tx.send(b)
+            await trio.to_thread.run_sync(engine.in_prefill.wait, 10)
+            b_rx.close()
+            for _ in range(5):  # several decode steps pass: b's slot stays taken
+                await a_rx.receive()
+            assert slots.num_free == 0
+            engine.release.set()
+            with trio.fail_after(10):
+                while slots.num_free == 0:
+                    await a_rx.receive()
+            a_rx.close()
+            await tx.aclose()
+
+    trio.run(main)
+
+
+def test_a_failing_prefill_lane_answers_the_running_streams_too():
+    async def main():
+        engine = LaneEngine(fail_prefill=True)
+        sched = Scheduler(engine, Policy(SlotTable(2), chunk=4, prefill_budget=4))
+        tx, rx = trio.open_memory_channel(4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run, rx)
+            a_rx = await _start_with_one_stream(engine, None, tx)
+            b, b_rx = make_sub(range(10, 20), rid="b")
+            await tx.send(b)
+            await trio.to_thread.run_sync(engine.in_prefill.wait, 10)
+            engine.release.set()
+            with trio.fail_after(10):
+                ea = [e async for e in a_rx]
+                eb = [e async for e in b_rx]
+        assert ea[-1].finish is FinishReason.ERROR and "prefill boom" in ea[-1].error
+        assert eb[-1].finish is FinishReason.ERROR
+        assert "prefill boom" in sched.failed
 
     trio.run(main)
