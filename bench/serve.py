@@ -57,6 +57,12 @@ BENCH_VENV = Path(os.environ.get("CALDRIX_BENCH_VENV") or ROOT / ".venv-bench") 
 LLAMA_SPEC = "llama-cpp-python[server]"
 BUILD_LOG = BENCH_VENV / "build.log"
 BUILD_FAILED = BENCH_VENV / "build-failed"  # the reason a build failed; --rebuild-llama tries again
+# llama.cpp's native build enables its AMX kernels where the CPU has AMX; with llama-cpp-python
+# 0.3.36 they crash on the first prompt of more than one token (seen here on a Sapphire Rapids
+# VM), so on such CPUs the benchmark builds for AVX-512 without them.
+NO_AMX_CMAKE_ARGS = " ".join(f"-DGGML_{opt}" for opt in (
+    "NATIVE=OFF", "AVX=ON", "AVX2=ON", "FMA=ON", "F16C=ON", "AVX512=ON", "AVX512_VBMI=ON", "AVX512_VNNI=ON",
+    "AVX512_BF16=ON", "AVX_VNNI=ON", "AMX_TILE=OFF", "AMX_INT8=OFF", "AMX_BF16=OFF"))
 THREADS = 2
 CONTEXT = 2048  # rows per sequence, the same for both servers: the longest request is 512 + 16
 LISTENING = re.compile(r"caldrix: listening on (http://\S+)/v1")
@@ -109,18 +115,23 @@ def llama_installed() -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def ensure_llama_venv(rebuild: bool = False) -> tuple[str | None, str]:
+def ensure_llama_venv(gguf: Path, rebuild: bool = False) -> tuple[str | None, str]:
     """Create .venv-bench with llama-cpp-python[server] on first use: (version, why not).
 
     A failed build is remembered in BUILD_FAILED, so later runs do not spend minutes on it again
-    unless `rebuild`.
+    unless `rebuild`, which also rebuilds an installed llama-cpp-python. An installed build must
+    complete a short prompt first (`llama_smoke`).
     """
     version = llama_installed()
-    if version:
-        return version, ""
+    if version and not rebuild:
+        why = llama_smoke(gguf)
+        return (None, why) if why else (version, "")
     if BUILD_FAILED.exists() and not rebuild:
         return None, BUILD_FAILED.read_text().strip() + " (an earlier run; --rebuild-llama tries again)"
-    version, why = _install_llama()
+    version, why = _install_llama(force=bool(version))
+    if version:
+        why = llama_smoke(gguf)
+        version = None if why else version
     if not version and BENCH_VENV.is_dir():
         BUILD_FAILED.write_text(why + "\n")
     elif version:
@@ -128,7 +139,7 @@ def ensure_llama_venv(rebuild: bool = False) -> tuple[str | None, str]:
     return version, why
 
 
-def _install_llama() -> tuple[str | None, str]:
+def _install_llama(force: bool = False) -> tuple[str | None, str]:
     t0 = time.monotonic()
     if not bench_python().exists():
         progress(f"creating {BENCH_VENV.name} for llama-cpp-python (its own venv; caldrix does not depend on it)")
@@ -138,7 +149,13 @@ def _install_llama() -> tuple[str | None, str]:
     progress(f"pip install '{LLAMA_SPEC}' into {BENCH_VENV.name}: llama-cpp-python has only a source "
              f"archive on PyPI, so pip compiles llama.cpp (several minutes on 2 cores); full log in {BUILD_LOG}")
     env = {**ENV, "CMAKE_BUILD_PARALLEL_LEVEL": str(THREADS), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    if "CMAKE_ARGS" not in env and cpu_has_amx():
+        env["CMAKE_ARGS"] = NO_AMX_CMAKE_ARGS
+        progress("  this CPU has AMX: building llama.cpp for AVX-512 without its AMX kernels, which crash "
+                 "(SIGSEGV) on any prompt of more than one token in llama-cpp-python 0.3.36; set CMAKE_ARGS to override")
     cmd = [str(bench_python()), "-m", "pip", "install", "-v", LLAMA_SPEC]
+    if force:  # --rebuild-llama over an installed build: compile it again, keep its dependencies
+        cmd += ["--force-reinstall", "--no-deps", "--no-cache-dir"]
     last_pct, last_note = -10, 0.0
     try:
         with open(BUILD_LOG, "w") as log:
@@ -172,6 +189,27 @@ def _install_llama() -> tuple[str | None, str]:
         return None, f"llama-cpp-python installed but does not import (see {BUILD_LOG})"
     progress(f"llama-cpp-python {version} installed in {time.monotonic() - t0:.0f} s")
     return version, ""
+
+
+def cpu_has_amx() -> bool:
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def llama_smoke(gguf: Path) -> str:
+    """Complete a three-token prompt in-process; "" if it worked, else why not. A build can
+    import and still crash on its first batched prompt (it did: AMX kernels, exit -11)."""
+    code = ("import sys; from llama_cpp import Llama; "
+            "m = Llama(model_path=sys.argv[1], n_threads=2, n_ctx=256, verbose=False); "
+            "m.create_completion('Hello there.', max_tokens=2)")
+    r = subprocess.run([str(bench_python()), "-c", code, str(gguf)], capture_output=True, text=True)
+    if r.returncode == 0:
+        return ""
+    tail = " | ".join(ln for ln in r.stderr.strip().splitlines()[-2:])[-200:]
+    return (f"llama-cpp-python crashed completing a 3-token prompt (exit {r.returncode}{': ' + tail if tail else ''}); "
+            f"rebuild it with other CMAKE_ARGS and --rebuild-llama")
 
 
 # -- prompts ----------------------------------------------------------------------------------
@@ -764,7 +802,7 @@ def main() -> int:
     if "llama" in skip:
         na["llama"] = "skipped (--skip llama)"
     else:
-        llama_version, why = ensure_llama_venv(args.rebuild_llama)
+        llama_version, why = ensure_llama_venv(gguf, args.rebuild_llama)
         if not llama_version:
             na["llama"] = why
     meta["llama_cpp_python"] = llama_version

@@ -53,7 +53,8 @@ class Runtime:
         weights = f", {int4} projections kept as 4-bit GGUF blocks" if int4 else ""
         say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")
-        say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}")
+        lanes = "beside decode steps, one core each" if getattr(self.engine, "overlap_lanes", False) else "between decode steps"
+        say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}, prefill chunks of {cfg.prefill_chunk} {lanes}")
         scratch = " and a scratch slot" if getattr(self.engine, "pad_decode", False) else ""
         say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({cfg.max_batch} slots{scratch}, {self.context} rows each)")
 

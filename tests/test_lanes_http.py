@@ -1,0 +1,63 @@
+"""The default engine (bfloat16, the GGUF's 4-bit blocks) runs a long prompt's chunks in their
+own thread while running streams keep decoding (caldrix/sched/loop.py, the two lanes). A reply
+must not depend on that: through a real server, a stream that has a long prompt arrive in the
+middle of it, and that long prompt itself, get exactly the replies each gets alone."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_harness import ServerProcess
+
+TIMEOUT = httpx.Timeout(120.0)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path):
+    # No --dtype: the served default, which is the engine that overlaps the lanes.
+    srv = ServerProcess.start(smollm2_dir, "--max-batch", "2", "--context", "1024")
+    yield srv
+    assert srv.stop() == 0, srv.stderr
+
+
+def body(prompt: list[int], max_tokens: int, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
+def test_a_long_prompt_arriving_mid_stream_changes_no_reply(server):
+    rng = random.Random(6)
+    short = [rng.randrange(1000, 30000) for _ in range(20)]
+    long = [rng.randrange(1000, 30000) for _ in range(600)]  # five 128-token chunks
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        short_alone = http.post("/v1/completions", json=body(short, 48)).json()["choices"][0]["text"]
+        long_alone = http.post("/v1/completions", json=body(long, 8)).json()["choices"][0]["text"]
+
+        long_reply: dict = {}
+
+        def send_long():
+            with httpx.Client(base_url=server.url, timeout=TIMEOUT) as other:
+                long_reply.update(other.post("/v1/completions", json=body(long, 8)).json())
+
+        sender = threading.Thread(target=send_long)
+        pieces: list[str] = []
+        with http.stream("POST", "/v1/completions", json=body(short, 48, stream=True)) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(pieces) == 4:
+                    sender.start()  # the long prompt arrives while this stream is decoding
+        sender.join()
+
+    assert "".join(pieces) == short_alone
+    assert long_reply["choices"][0]["text"] == long_alone
+    # the engine these lanes overlap on: bfloat16 with the 4-bit blocks
+    assert "caldrix: dtype bfloat16, 120 projections kept as 4-bit GGUF blocks" in server.stderr
+    assert "prefill chunks of 128 beside decode steps, one core each" in server.stderr
