@@ -26,11 +26,10 @@ def server(smollm2_dir: Path):
     assert srv.stop() == 0, srv.stderr
 
 
-def body(prompt: list[int], max_tokens: int, **extra) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+def test_a_long_prompt_arriving_mid_stream_changes_no_reply(server, smollm2_dir):
+    def body(prompt: list[int], max_tokens: int, **extra) -> dict:
+        return {"model": smollm2_dir.name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
-
-def test_a_long_prompt_arriving_mid_stream_changes_no_reply(server):
     rng = random.Random(6)
     short = [rng.randrange(1000, 30000) for _ in range(20)]
     long = [rng.randrange(1000, 30000) for _ in range(600)]  # five 128-token chunks
