@@ -108,7 +108,7 @@ class Engine:
         """Whether a decode step and a prefill step may run at once, on one core each, in two
         threads (they touch disjoint slots; `_rows` and the KV cache are per slot). Only where
         a step's result does not depend on its thread count: bfloat16 on the CPU, dense or
-        4-bit, checked bit for bit by tests/test_engine.py. float32 matmuls split their sums
+        4-bit, checked bit for bit by tests/test_int4.py. float32 matmuls split their sums
         by thread count, so a float32 engine runs one step at a time."""
         return self.device == "cpu" and self.dtype is torch.bfloat16 and self.max_threads >= 2
 

@@ -3,6 +3,10 @@
 Admission and backpressure: the scheduler takes a submission off the request channel only when a
 slot is free for it, so the channel's buffer (--queue-depth) is exactly the queue of requests
 waiting beyond those running, and a route whose `send_nowait` finds it full answers 429.
+
+Two lanes: decode steps are awaited inline; a prompt chunk runs as a task of the scheduler's own
+nursery (`_prefill_lane`) and hands its output back on a channel of one. The loop applies both
+outputs itself, so sequences and slots still have one owner (see `Scheduler`).
 """
 
 from __future__ import annotations
