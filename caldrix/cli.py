@@ -59,7 +59,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV rows per sequence (default: the model's maximum, capped at 8192)")
     g.add_argument("--max-batch", type=_int_at_least(1), default=1, help="sequences per forward pass (default 1)")
     g.add_argument("--prefill-chunk", type=_int_at_least(1), default=128,
-                   help="prompt tokens per prefill chunk and per step (default 128)")
+                   help="prompt tokens per prefill chunk and per prefill step (default 128)")
     g.add_argument("--served-name", default=None, help="the model name the server answers to")
     g.add_argument("--speculate", choices=["off"], default="off",
                    help="speculative decoding: only off in this release")

@@ -206,26 +206,27 @@ class LaneEngine(FakeEngine):
         return super().step(batch)
 
 
-async def _start_with_one_stream(engine, slots, tx):
-    """a (a one-token prompt, many tokens) is decoding; returns its event channel."""
+async def _chunk_held_beside_a_stream(engine: LaneEngine, tx, b_max_tokens: int = 2):
+    """Stream a (a one-token prompt, many tokens) until it decodes, then send b (10 prompt
+    tokens) and wait until b's first chunk is held in the prefill lane. Returns both event
+    channels."""
     a, a_rx = make_sub([1], max_tokens=60, rid="a", stop=frozenset())
     await tx.send(a)
     await a_rx.receive()
-    return a_rx
+    b, b_rx = make_sub(range(10, 20), max_tokens=b_max_tokens, rid="b")
+    await tx.send(b)
+    await trio.to_thread.run_sync(engine.in_prefill.wait, 10)
+    return a_rx, b_rx
 
 
 def test_a_prompt_chunk_runs_beside_decode_steps_on_one_core_each():
     async def main():
         engine = LaneEngine()
-        slots = SlotTable(2)
-        sched = Scheduler(engine, Policy(slots, chunk=4, prefill_budget=4))  # real worker threads
+        sched = Scheduler(engine, Policy(SlotTable(2), chunk=4, prefill_budget=4))  # real worker threads
         tx, rx = trio.open_memory_channel(4)
         async with trio.open_nursery() as nursery:
             await nursery.start(sched.run, rx)
-            a_rx = await _start_with_one_stream(engine, slots, tx)
-            b, b_rx = make_sub(range(10, 20), max_tokens=2, rid="b")
-            await tx.send(b)
-            await trio.to_thread.run_sync(engine.in_prefill.wait, 10)
+            a_rx, b_rx = await _chunk_held_beside_a_stream(engine, tx)
             # b's first chunk is held in its thread; a keeps getting tokens meanwhile
             with trio.fail_after(10):
                 for _ in range(5):
@@ -248,10 +249,7 @@ def test_a_client_gone_during_its_chunk_frees_the_slot_only_once_the_chunk_lands
         tx, rx = trio.open_memory_channel(4)
         async with trio.open_nursery() as nursery:
             await nursery.start(sched.run, rx)
-            a_rx = await _start_with_one_stream(engine, slots, tx)
-            b, b_rx = make_sub(range(10, 20), max_tokens=2, rid="b")
-            await tx.send(b)
-            await trio.to_thread.run_sync(engine.in_prefill.wait, 10)
+            a_rx, b_rx = await _chunk_held_beside_a_stream(engine, tx)
             b_rx.close()
             for _ in range(5):  # several decode steps pass: b's slot stays taken
                 await a_rx.receive()
@@ -273,10 +271,7 @@ def test_a_failing_prefill_lane_answers_the_running_streams_too():
         tx, rx = trio.open_memory_channel(4)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sched.run, rx)
-            a_rx = await _start_with_one_stream(engine, None, tx)
-            b, b_rx = make_sub(range(10, 20), rid="b")
-            await tx.send(b)
-            await trio.to_thread.run_sync(engine.in_prefill.wait, 10)
+            a_rx, b_rx = await _chunk_held_beside_a_stream(engine, tx, b_max_tokens=4)
             engine.release.set()
             with trio.fail_after(10):
                 ea = [e async for e in a_rx]

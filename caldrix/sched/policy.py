@@ -32,7 +32,7 @@ class Work:
 class Policy:
     slots: SlotTable
     chunk: int = 128  # prompt tokens per chunk
-    prefill_budget: int = 128  # prompt tokens per step, summed over chunks (at least one chunk runs)
+    prefill_budget: int = 128  # prompt tokens per prefill step, summed over chunks (at least one chunk runs)
     running: list[Sequence] = attrs.Factory(list)
 
     @property
