@@ -281,3 +281,31 @@ def test_a_failing_prefill_lane_answers_the_running_streams_too():
         assert "prefill boom" in sched.failed
 
     trio.run(main)
+
+
+def test_shutdown_cutoff_waits_for_a_chunk_in_flight():
+    """The grace deadline ends the decoding stream at once and the prefilling one as soon as
+    its chunk lands: never while its thread still writes its KV rows."""
+    from caldrix.sched.loop import SHUTTING_DOWN
+
+    async def main():
+        engine = LaneEngine()
+        slots = SlotTable(2)
+        sched = Scheduler(engine, Policy(slots, chunk=4, prefill_budget=4))
+        tx, rx = trio.open_memory_channel(4)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run, rx)
+            a_rx, b_rx = await _chunk_held_beside_a_stream(engine, tx)
+            sched.cutoff.set()
+            with trio.fail_after(10):
+                ea = [e async for e in a_rx]
+            assert ea[-1].error == SHUTTING_DOWN
+            assert slots.num_free == 1  # a's slot; b's chunk is still held
+            engine.release.set()
+            with trio.fail_after(10):
+                eb = [e async for e in b_rx]
+            assert eb[-1].error == SHUTTING_DOWN and eb[-1].finish is FinishReason.ABORT
+            assert slots.num_free == 2
+            await tx.aclose()
+
+    trio.run(main)

@@ -131,7 +131,7 @@ class Scheduler:
                 if self.cutoff.is_set():
                     self._cut_all()
                     if self._in_flight is not None and not self._land(await landed_rx.receive(), requests):
-                        return
+                        return  # the chunk's sequences are cut on the next pass
                     continue
                 if self._in_flight is None:
                     work = self.policy.schedule_prefill()
@@ -145,18 +145,19 @@ class Scheduler:
                 work = self.policy.schedule_decode()
                 if work is not None and not await self._decode(work, requests):
                     return
-                if self._in_flight is not None:
+                if self._in_flight is None:
                     if work is None:
-                        got = await landed_rx.receive()  # nothing to decode: wait for the chunk
-                    else:
-                        try:
-                            got = landed_rx.receive_nowait()
-                        except trio.WouldBlock:
-                            continue  # still running: decode on beside it
-                    if not self._land(got, requests):
-                        return
-                elif work is None:
-                    await trio.lowlevel.checkpoint()
+                        await trio.lowlevel.checkpoint()
+                    continue
+                if work is None:
+                    got = await landed_rx.receive()  # nothing to decode: wait for the chunk
+                else:
+                    try:
+                        got = landed_rx.receive_nowait()
+                    except trio.WouldBlock:
+                        continue  # still running: decode on beside it
+                if not self._land(got, requests):
+                    return
 
     async def _prefill_lane(self, work: Work, threads: int, landed: trio.MemorySendChannel[Landed]) -> None:
         batch = attrs.evolve(work.batch, threads=threads) if threads else work.batch
