@@ -145,3 +145,30 @@ def test_dtype_auto(monkeypatch):
     assert resolve_dtype("auto", "cpu") is torch.float32
     assert resolve_dtype("auto", "cuda") is torch.bfloat16
     assert resolve_dtype("float32", "cuda") is torch.float32
+
+
+def test_a_mixed_decode_step_picks_what_each_run_picks_alone(tiny):
+    """Plain greedy rows share one arg-max; a penalized, a sampled and a logit-reading row take
+    their own pick. Each run's token and read logits in one 4-row step equal its step alone."""
+    from caldrix.batch import Batch, Run
+    from caldrix.protocol import SamplingParams
+
+    path, _ = tiny
+    engine = Engine.load(path, dtype=torch.float32, max_batch=4, context=64)
+    prompts = [(5, 9, 2, 7), (11, 3, 3, 3), (40, 41, 42), (8, 1, 8, 1, 8)]
+    settings = [SamplingParams(), SamplingParams(repetition_penalty=1.3),
+                SamplingParams(temperature=0.8, seed=7), SamplingParams()]
+    reads = [(), (), (), (3, 17, 200)]
+
+    def runs(tokens):
+        return tuple(Run(s, len(p), (t,), (0,), sp, len(p), rd)
+                     for s, (p, t, sp, rd) in enumerate(zip(prompts, tokens, settings, reads)))
+
+    firsts = []
+    for s, (p, sp) in enumerate(zip(prompts, settings)):
+        out = engine.step(Batch((Run(s, 0, p, (len(p) - 1,), sp),)))
+        firsts.append(out.runs[0].token_ids[0])
+    together = engine.step(Batch(runs(firsts))).runs
+    alone = [engine.step(Batch((run,))).runs[0] for run in runs(firsts)]
+    assert together == tuple(alone)
+    assert len(together[3].read) == 3 and together[0].token_ids != ()
