@@ -63,6 +63,7 @@ class Engine:
         self.kv = KVCache(model.cfg, max_batch + self.pad_decode, context, self.dtype, device)
         model.setup_rope(context)
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
+        self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (models/q4.py)
         self.max_threads = torch.get_num_threads()
         self.passive_omp = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
         # Mirror of the token ids in each slot's KV rows: the repetition penalty reads it.
@@ -88,6 +89,10 @@ class Engine:
             from caldrix.models import q4
 
             q4.set_max_int4_rows(model, max(max_batch, 1))
+            # One row a step: the Q8_0 head's 4-bit halves cost half the dense head there,
+            # and twice it at 8 rows; a head chosen by the step's row count would make a
+            # reply depend on its batch mates, so it is chosen once, by --max-batch.
+            engine.int4_head = max_batch == 1 and q4.head_from_gguf(model, int4_from)
         return engine
 
     def threads_for(self, prefill_tokens: int) -> int:

@@ -103,3 +103,33 @@ def test_bf16_steps_do_not_depend_on_the_thread_count(smollm2_dir, gguf_file, we
 def test_float32_engines_run_one_step_at_a_time(smollm2_dir):
     engine = Engine.load(smollm2_dir, dtype=torch.float32, max_batch=2, context=64)
     assert not engine.overlap_lanes
+
+
+def test_q8_0_head_reads_back_the_embedding(smollm2_dir, gguf_file):
+    """The tied lm_head kept as two 4-bit halves of the GGUF's Q8_0 blocks: multiplying by the
+    identity reads each weight back, which must equal the embedding transformers dequantized
+    from the same file, up to the bfloat16 rounding of each block's scale. A hi half off by
+    one (16 times a block's scale) fails it."""
+    model = load_decoder(smollm2_dir, torch.bfloat16)
+    assert q4.head_from_gguf(model, gguf_file)
+    want = load_decoder(smollm2_dir, torch.float32).embed.weight
+    eye = torch.eye(model.cfg.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = model.head(eye).T  # [V, D]
+    rel = (got - want).abs().max() / want.abs().max()
+    assert rel < 0.01
+
+
+def test_q8_0_head_only_at_max_batch_1(smollm2_dir, gguf_file):
+    """The Q8_0 head costs more than the dense one at 8 rows, and the head must not change with
+    a step's row count, so only a --max-batch 1 engine takes it. Its greedy reply follows the
+    dense-head engine's: the first tokens agree."""
+    from transformers import AutoTokenizer
+
+    ids = tuple(AutoTokenizer.from_pretrained(str(smollm2_dir)).encode("The capital of France is"))
+    one = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=64, int4_from=gguf_file)
+    two = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=2, context=64, int4_from=gguf_file)
+    assert one.int4_head and isinstance(one.model.head, q4.Q8AsInt4Linear)
+    assert not two.int4_head and two.model.head is None
+    a, b = generate(one, [ids], 8, together=True)[0], generate(two, [ids], 8, together=True)[0]
+    assert a[:4] == b[:4], (a, b)

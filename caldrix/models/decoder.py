@@ -216,6 +216,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head: nn.Module | None = None  # a quantized stand-in for the lm_head: hidden -> fp32 logits
         self.cos = self.sin = None  # set by setup_rope
 
     def setup_rope(self, rows: int) -> None:
@@ -233,6 +234,8 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits [N, V]."""
+        if self.head is not None:
+            return self.head(self.norm(hidden))
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(hidden), w).float()
 
