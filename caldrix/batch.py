@@ -13,6 +13,8 @@ import attrs
 
 from caldrix.protocol import SamplingParams
 
+MAX_DRAFT_TOKENS = 8  # guesses in one speculative verify at most (--draft-tokens 1..8)
+
 
 @attrs.frozen
 class Run:
@@ -27,6 +29,10 @@ class Run:
     draw_index: int = 0
     # Token ids whose raw logits are returned at the last pick_at offset.
     read_ids: tuple[int, ...] = ()
+    # A speculative verify: token_ids are the last known token and the guesses after it, with
+    # pick_at at every offset. The engine computes each row exactly as a one-row decode step
+    # would, so the picks are the tokens plain decoding gives.
+    verify: bool = False
 
     @property
     def end(self) -> int:

@@ -17,7 +17,8 @@ import sys
 # machine shared with other busy processes, at some speed.
 
 from caldrix import __version__
-from caldrix.config import DEFAULT_PORT, ServeConfig
+from caldrix.batch import MAX_DRAFT_TOKENS
+from caldrix.config import DEFAULT_PORT, FlagError, ServeConfig
 from caldrix.protocol import SamplingParams
 
 
@@ -32,6 +33,48 @@ def _int_at_least(lo: int):
         return value
 
     return parse
+
+
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        value = _int_at_least(lo)(text)
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"must be {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
+
+def _ngram(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be MIN:MAX, two integers, got {text!r}") from None
+    if not sep or not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"must be MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
+def check_speculation(args: argparse.Namespace) -> str | None:
+    """What is wrong with the speculation flags before any weight is loaded; None if nothing.
+    What depends on the engine (whether it can verify exactly) is checked by runtime.py."""
+    mode = args.speculate
+    if mode == "draft":
+        return ("--speculate draft: draft models are not in this release; --speculate ngram proposes "
+                "from the request's own tokens")
+    if args.draft is not None and mode != "auto":
+        return "--draft: needs --speculate auto (draft models are not in this release)"
+    if args.speculation_memory is not None and mode != "auto":
+        return "--speculation-memory: keeps a draft model's tuner state; needs --speculate auto"
+    if mode == "ngram" and args.max_batch > 1:
+        return (f"--speculate ngram: speculation decodes single-stream and this server is batched "
+                f"(--max-batch {args.max_batch}); restart with --max-batch 1")
+    if mode == "off":
+        for flag, value in (("--draft-tokens", args.draft_tokens), ("--ngram", args.ngram)):
+            if value is not None:
+                return f"{flag}: has no effect without --speculate ngram or auto"
+    return None
 
 
 def _float_in(test, what: str):
@@ -61,8 +104,16 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=_int_at_least(1), default=128,
                    help="prompt tokens per prefill chunk and per prefill step (default 128)")
     g.add_argument("--served-name", default=None, help="the model name the server answers to")
-    g.add_argument("--speculate", choices=["off"], default="off",
-                   help="speculative decoding: only off in this release")
+    g.add_argument("--speculate", choices=["off", "ngram", "auto", "draft"], default="off",
+                   help="speculative decoding, single-stream (--max-batch 1): ngram proposes from the request's own "
+                        "tokens; auto takes ngram where the server can verify; draft is not in this release")
+    g.add_argument("--draft", default=None, metavar="DIR", help="draft model (not in this release: refused, or under auto a note)")
+    g.add_argument("--draft-tokens", type=_int_in(1, MAX_DRAFT_TOKENS), default=None,
+                   help=f"guesses per verify, 1..{MAX_DRAFT_TOKENS} (default: tuned live)")
+    g.add_argument("--ngram", type=_ngram, default=None, metavar="MIN:MAX",
+                   help="suffix lengths the n-gram lookup tries (default 2:4)")
+    g.add_argument("--speculation-memory", default=None, metavar="FILE",
+                   help="the draft tuner's state between runs (draft models only)")
     s = p.add_argument_group("sampling defaults (greedy unless set)")
     s.add_argument("--temperature", type=_float_in(lambda v: v >= 0, "a finite number >= 0"), default=0.0)
     s.add_argument("--top-k", type=_int_at_least(-1), default=0, help="0 or -1 keeps every token")
@@ -139,6 +190,11 @@ def config_from(args: argparse.Namespace, model: str | None) -> ServeConfig:
         replay_ring=getattr(args, "replay_ring", 256),
         log_level=args.log_level,
         graceful_timeout=getattr(args, "graceful_timeout", 30.0),
+        speculate=args.speculate,
+        draft=args.draft,
+        draft_tokens=args.draft_tokens,
+        ngram=args.ngram or (2, 4),
+        speculation_memory=args.speculation_memory,
     )
 
 
@@ -148,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from caldrix.models.source import ModelNotFound
 
+    if args.command in ("serve", "run"):
+        wrong = check_speculation(args)
+        if wrong:
+            parser.error(wrong)
     try:
         if args.command == "serve":
             import trio
@@ -184,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotFound as exc:
         print(f"caldrix: {exc}", file=sys.stderr)
         return 1
+    except FlagError as exc:  # a flag the loaded engine cannot honour
+        print(f"caldrix: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:  # e.g. an unsupported architecture or a bad model directory
         print(f"caldrix: {exc}", file=sys.stderr)
         return 1

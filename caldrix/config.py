@@ -9,6 +9,10 @@ from caldrix.protocol import SamplingParams
 DEFAULT_PORT = 8425
 
 
+class FlagError(ValueError):
+    """A flag whose value this server cannot honour, found after parsing (exit status 2)."""
+
+
 @attrs.frozen
 class ServeConfig:
     model: str | None = None  # None: the embedded default
@@ -28,3 +32,9 @@ class ServeConfig:
     replay_ring: int = 256
     log_level: str = "info"
     graceful_timeout: float = 30.0
+    # Speculative decoding (http-api.md): off | ngram | auto; draft models are not in this release.
+    speculate: str = "off"
+    draft: str | None = None
+    draft_tokens: int | None = None  # None: tuned live
+    ngram: tuple[int, int] = (2, 4)
+    speculation_memory: str | None = None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from caldrix.batch import Batch, Run, RunOutput, StepOutput
+from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models.decoder import Attend, Decoder, KVCache, load_decoder
 from caldrix.sampler import greedy_batch, pick
 
@@ -88,7 +88,9 @@ class Engine:
         if engine_int4:
             from caldrix.models import q4
 
-            q4.set_max_int4_rows(model, max(max_batch, 1))
+            # Up to a verify pass's rows, whatever --speculate says, so a prompt of a few tokens
+            # takes the same kernels with speculation or without.
+            q4.set_max_int4_rows(model, max(max_batch, 1 + MAX_DRAFT_TOKENS))
             # One row a step: the Q8_0 head's 4-bit halves cost half the dense head there,
             # and twice it at 8 rows; a head chosen by the step's row count would make a
             # reply depend on its batch mates, so it is chosen once, by --max-batch.
@@ -121,13 +123,21 @@ class Engine:
     def kv_bytes(self) -> int:
         return self.kv.nbytes
 
+    @property
+    def can_verify(self) -> bool:
+        """Whether a speculative verify gives each row exactly a one-row decode step's result.
+        The 4-bit kernels (and the Q8_0 head) do, whatever the row count; the dense matmuls
+        need not, so a dense engine cannot verify."""
+        return self.int4_layers > 0 and not self.pad_decode
+
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:
-        decode = [r for r in batch.runs if len(r.token_ids) == 1]
-        prefill = [r for r in batch.runs if len(r.token_ids) > 1]
+        decode = [r for r in batch.runs if len(r.token_ids) == 1 or r.verify]
+        prefill = [r for r in batch.runs if len(r.token_ids) > 1 and not r.verify]
         # Set per step, in whichever worker thread runs it (OpenMP's count is per thread).
         torch.set_num_threads(batch.threads or self.threads_for(sum(len(r.token_ids) for r in prefill)))
         assert len({r.slot for r in batch.runs}) == len(batch.runs), "one run per slot per step"
+        assert self.can_verify or not any(r.verify for r in batch.runs), "this engine cannot verify"
         for r in batch.runs:
             assert r.end <= self.context, f"run past the context: {r.end} > {self.context}"
             rows = self._rows[r.slot]
@@ -137,17 +147,24 @@ class Engine:
         picked: dict[int, list[int]] = {}  # id(run) -> tokens
         reads: dict[int, list[float]] = {}
         if decode:
-            logits = self.model.logits(self._decode(decode))  # [rows, V]: the runs first, then padding
+            logits = self.model.logits(self._decode(decode))  # [rows, V]: the runs' rows in order, then padding
+            first = [0]  # first[i]: decode[i]'s first row
+            for r in decode:
+                first.append(first[-1] + len(r.token_ids))
             # Plain greedy rows share one arg-max call (exact, so it cannot depend on batch mates);
             # at 8 rows that is about 0.4 ms a step less than one call per row.
             plain = [i for i, r in enumerate(decode) if r.pick_at and _plain_greedy(r)]
-            for i, token in zip(plain, greedy_batch(logits[plain]) if len(plain) > 1 else ()):
+            rows = [first[i] + o for i in plain for o in decode[i].pick_at]
+            tokens = iter(greedy_batch(logits[rows]) if len(rows) > 1 else ())
+            for i in plain if len(rows) > 1 else ():
                 r = decode[i]
-                picked[id(r)] = [token]
-                reads[id(r)] = logits[i, list(r.read_ids)].tolist() if r.read_ids else []
+                picked[id(r)] = [next(tokens) for _ in r.pick_at]
+                last = first[i] + r.pick_at[-1]
+                reads[id(r)] = logits[last, list(r.read_ids)].tolist() if r.read_ids else []
             for i, r in enumerate(decode):
                 if r.pick_at and id(r) not in picked:
-                    picked[id(r)], reads[id(r)] = pick_run(r, logits[i : i + 1], self._rows[r.slot])
+                    at = [first[i] + o for o in r.pick_at]
+                    picked[id(r)], reads[id(r)] = pick_run(r, logits[at], self._rows[r.slot])
         for r in prefill:
             at = Attend("prefill", (r.slot,), torch.arange(r.start, r.end), torch.arange(r.start, r.end))
             hidden = self.model(torch.tensor(r.token_ids), at, self.kv)
@@ -159,13 +176,15 @@ class Engine:
         )
 
     def _decode(self, runs: list[Run]) -> torch.Tensor:
-        """One decode row per run -> hidden [len(runs), D]."""
+        """Decode rows -> hidden [rows, D]: one row per run, or one per token of a verify run,
+        each attending over exactly the keys up to its own position, as a one-row step does."""
         pad = self.max_batch - len(runs) if self.pad_decode else 0
-        positions = torch.tensor([r.start for r in runs] + [0] * pad)
-        slots = tuple(r.slot for r in runs) + (self.max_batch,) * pad  # padding rows: the scratch slot
-        lengths = tuple(r.start + 1 for r in runs) + (0,) * pad
-        at = Attend("decode", slots, positions, positions, lengths, torch.tensor(slots))
-        return self.model(torch.tensor([r.token_ids[0] for r in runs] + [0] * pad), at, self.kv)
+        positions = [p for r in runs for p in range(r.start, r.end)]
+        slots = tuple(r.slot for r in runs for _ in r.token_ids) + (self.max_batch,) * pad  # padding rows: the scratch slot
+        lengths = tuple(p + 1 for p in positions) + (0,) * pad
+        pos = torch.tensor(positions + [0] * pad)
+        at = Attend("decode", slots, pos, pos, lengths, torch.tensor(slots))
+        return self.model(torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad), at, self.kv)
 
 
 def pick_run(r: Run, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float]]:

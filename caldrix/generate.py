@@ -33,6 +33,8 @@ class Piece:
     text: str
     token_ids: tuple[int, ...]  # the tokens this piece completes (may be empty)
     finish: FinishReason | None = None
+    # The request's speculative guesses so far (proposed, accepted), None when it does not speculate.
+    speculative: tuple[int, int] | None = None
 
 
 @attrs.frozen
@@ -92,12 +94,13 @@ async def pieces(rx: trio.MemoryReceiveChannel[TokenEvent], tokenizer, stops: tu
             if event.finish is not None:
                 text += detok.flush()
             safe, stopped = matcher.feed(text)
+            spec = event.speculative
             if stopped:
-                yield Piece(safe, ids, FinishReason.STOP)
+                yield Piece(safe, ids, FinishReason.STOP, spec)
                 return
             if event.finish is not None:
-                yield Piece(safe + matcher.flush(), ids, event.finish)
+                yield Piece(safe + matcher.flush(), ids, event.finish, spec)
                 return
-            yield Piece(safe, ids)
+            yield Piece(safe, ids, speculative=spec)
         # The channel closed with no final event: the scheduler went away under us.
         raise EngineFailed("the engine stopped during the request")

@@ -61,6 +61,9 @@ class TokenEvent:
     prefix_rows: int = 0
     # Logits of Submission.read_ids at the next-token position (read-only requests).
     read: tuple[float, ...] = ()
+    # A request that runs under speculation: its guesses (proposed, accepted) so far, on each
+    # token event and the last one; None otherwise.
+    speculative: tuple[int, int] | None = None
 
 
 @attrs.frozen(eq=False)

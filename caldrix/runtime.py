@@ -23,6 +23,9 @@ class Runtime:
     engine: object  # engine.Engine or host_engine.HostEngine: both have step(), context, vocab_size
     tokenizer: object  # tokenizer.Tokenizer
     scheduler: Scheduler
+    # Speculation as resolved at start (None: off), and why auto left it off or changed it.
+    speculation: object = None  # sched.speculate.SpecConfig | None
+    notes: tuple[str, ...] = ()
     # The replay ring and the metrics (telemetry.py); fed by the scheduler's on_finish hook.
     telemetry: Telemetry = attrs.field(default=attrs.Factory(lambda rt: rt._new_telemetry(), takes_self=True))
 
@@ -59,6 +62,14 @@ class Runtime:
         say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}, prefill chunks of {cfg.prefill_chunk} {lanes}")
         scratch = " and a scratch slot" if getattr(self.engine, "pad_decode", False) else ""
         say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({cfg.max_batch} slots{scratch}, {self.context} rows each)")
+        for note in self.notes:
+            say(f"caldrix: note: {note}")
+        spec = self.speculation
+        if spec is None:
+            say("caldrix: speculation off")
+        else:
+            length = f"{spec.draft_tokens} guesses" if spec.draft_tokens else "guesses tuned live"
+            say(f"caldrix: speculation ngram {spec.min_n}:{spec.max_n}, {length}, for greedy requests")
 
 
 def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | None:
@@ -93,7 +104,9 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     else:
         engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
                              int4_from=_int4_source(cfg, src.path, lane, dtype))
-    policy = Policy(SlotTable(cfg.max_batch), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk)
+    speculation, notes = resolve_speculation(cfg, lane, engine)
+    policy = Policy(SlotTable(cfg.max_batch), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk,
+                    speculation=speculation)
     return Runtime(
         cfg=cfg,
         served_name=cfg.served_name or src.served_name,
@@ -104,4 +117,37 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         engine=engine,
         tokenizer=Tokenizer.load(src.path),
         scheduler=Scheduler(engine, policy),
+        speculation=speculation,
+        notes=notes,
     )
+
+
+def resolve_speculation(cfg: ServeConfig, lane: str, engine) -> tuple[object, tuple[str, ...]]:
+    """--speculate against the loaded engine: (SpecConfig or None, notes for the start-up).
+
+    An explicit ngram is refused (FlagError, exit 2) where the engine cannot verify exactly;
+    auto turns itself off there, or when the server is batched, with a note. cli.py has
+    already refused what needs no engine to judge (draft mode, ngram when batched)."""
+    from caldrix.config import FlagError
+    from caldrix.sched.speculate import SpecConfig
+
+    notes: list[str] = []
+    if cfg.speculate == "off":
+        return None, ()
+    if cfg.speculate == "auto" and cfg.draft is not None:
+        notes.append("--draft: draft models are not in this release; n-gram lookup instead"
+                     + (", and --speculation-memory is neither read nor written" if cfg.speculation_memory else ""))
+    elif cfg.speculate == "auto" and cfg.speculation_memory:
+        notes.append("--speculation-memory holds a draft model's state: neither read nor written under n-gram lookup")
+    why = None
+    if cfg.max_batch > 1:
+        why = f"the server is batched (--max-batch {cfg.max_batch}); speculation decodes single-stream"
+    elif not getattr(engine, "can_verify", False):
+        why = (f"a verify pass must compute each row exactly as a decode step does, which here only the "
+               f"4-bit GGUF kernels do (the cpu lane with --dtype bfloat16 and --weights auto); this is "
+               f"the {lane} lane{' with dense weights' if lane == 'cpu' else ''}")
+    if why is not None:
+        if cfg.speculate == "ngram":
+            raise FlagError(f"--speculate ngram: {why}")
+        return None, (*notes, f"speculation off: {why}")
+    return SpecConfig(min_n=cfg.ngram[0], max_n=cfg.ngram[1], draft_tokens=cfg.draft_tokens), tuple(notes)

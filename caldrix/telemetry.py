@@ -81,6 +81,7 @@ class RequestRecord:
     batch_sizes: tuple[tuple[int, int], ...]  # (sequences in the step, steps), by size
     stream: bool
     blocks: tuple[str, ...]  # block_digests of the prompt: in the trace, not in /debug/requests
+    speculative: tuple[int, int] | None = None  # (proposed, accepted) guesses; None: did not speculate
 
     def to_json(self) -> dict:
         """The /debug/requests form: everything but the digests."""
@@ -98,6 +99,7 @@ class RequestRecord:
             "prefix_rows": self.prefix_rows,
             "batch_sizes": [list(p) for p in self.batch_sizes],
             "stream": self.stream,
+            "speculative": _spec_json(self.speculative),
         }
 
     def trace_json(self, t0: float) -> dict:
@@ -115,8 +117,13 @@ class RequestRecord:
             "stream": self.stream,
             "blocks": list(self.blocks),
             "prefix_rows": self.prefix_rows,
+            "speculative": _spec_json(self.speculative),
             "timings": {"queued": _r(self.queued), "first_token": _r(self.first_token), "end": _r(self.end)},
         }
+
+
+def _spec_json(spec: tuple[int, int] | None) -> dict | None:
+    return None if spec is None else {"proposed": spec[0], "accepted": spec[1]}
 
 
 def sampling_json(s: SamplingParams) -> dict:
@@ -150,6 +157,7 @@ class _SchedHalf:
     prefix_rows: int
     batch_sizes: tuple[tuple[int, int], ...]
     blocks: tuple[str, ...]
+    speculative: tuple[int, int] | None
 
 
 @attrs.frozen
@@ -210,6 +218,9 @@ class Telemetry:
         if not sub.is_read_only:
             m.generation_tokens.inc(len(seq.output))
             m.reply_size.observe(len(seq.output))
+        if seq.speculating:
+            m.spec_drafts.inc(seq.proposed)
+            m.spec_accepted.inc(seq.accepted)
         captured = sub.reuse_prefix  # image requests, the only ones without it, are never captured
         half = _SchedHalf(
             id=sub.request_id,
@@ -226,6 +237,7 @@ class Telemetry:
             prefix_rows=seq.prefix_rows,
             batch_sizes=_batch_histogram(seq.batch_sizes) if captured else (),
             blocks=block_digests(sub.prompt_ids, self.salt, self.block_tokens) if captured else (),
+            speculative=(seq.proposed, seq.accepted) if seq.speculating else None,
         )
         other = self._pending.pop(sub.request_id, None)
         if isinstance(other, _RouteHalf):
@@ -290,7 +302,7 @@ class Telemetry:
             arrived=s.arrived, queued=s.queued, first_token=s.first_token, end=s.end,
             prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, max_tokens=s.max_tokens,
             sampling=s.sampling, prefix_rows=s.prefix_rows, batch_sizes=s.batch_sizes,
-            stream=r.stream if r else False, blocks=s.blocks,
+            stream=r.stream if r else False, blocks=s.blocks, speculative=s.speculative,
         )
         if s.captured:
             self.ring.append(rec)

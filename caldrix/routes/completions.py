@@ -91,12 +91,13 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
     if req.stream:
         return Response(_sse(stream, head, chat, req, len(ids)), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    text, tokens, finish = [], [], None
+    text, tokens, finish, spec = [], [], None, None
     try:
         async for piece in stream:
             text.append(piece.text)
             tokens.extend(piece.token_ids)
             finish = piece.finish
+            spec = piece.speculative or spec
     except EngineFailed as exc:
         raise ApiError.engine_failed(str(exc)) from None
     except EngineStopped as exc:
@@ -110,11 +111,14 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
         choice["text"] = "".join(text)
     if req.return_token_ids:
         choice["token_ids"] = tokens
-    return json_response({**head, "choices": [choice], "object": obj, "usage": _usage(len(ids), len(tokens))})
+    return json_response({**head, "choices": [choice], "object": obj, "usage": _usage(len(ids), len(tokens), spec)})
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, spec: tuple[int, int] | None = None) -> dict:
+    usage = {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion}
+    if spec is not None:  # http-api.md: a request that speculated
+        usage["speculative"] = {"accepted": spec[1], "proposed": spec[0]}
+    return usage
 
 
 async def _sse(stream, head: dict, chat: bool, req, prompt_tokens: int):
@@ -122,6 +126,7 @@ async def _sse(stream, head: dict, chat: bool, req, prompt_tokens: int):
     obj = "chat.completion.chunk" if chat else "text_completion"
     count = 0
     pending: list[int] = []
+    spec = None
 
     def chunk(text: str | None, finish: FinishReason | None) -> bytes:
         choice: dict = {"finish_reason": finish.value if finish else None, "index": 0}
@@ -138,12 +143,13 @@ async def _sse(stream, head: dict, chat: bool, req, prompt_tokens: int):
         async for piece in stream:
             count += len(piece.token_ids)
             pending.extend(piece.token_ids)
+            spec = piece.speculative or spec
             if piece.text:
                 yield chunk(piece.text, None)
             if piece.finish is not None:
                 yield chunk(None, piece.finish)
         if req.include_usage:
-            yield sse.event({**head, "choices": [], "object": obj, "usage": _usage(prompt_tokens, count)})
+            yield sse.event({**head, "choices": [], "object": obj, "usage": _usage(prompt_tokens, count, spec)})
         yield sse.DONE
     except EngineFailed as exc:
         # The 200 is already sent: the failure arrives as an event carrying the error object.

@@ -171,11 +171,15 @@ class Scheduler:
         """Run one decode step and emit its tokens; False if the engine failed. Beside a chunk
         in flight the step takes one core, the chunk the other."""
         batch = attrs.evolve(work.batch, threads=1) if self._in_flight is not None else work.batch
+        alone = self._in_flight is None
+        t0 = time.monotonic()
         try:
             out = await self.run_step(self.engine.step, batch)
         except Exception as exc:
             self._fail(exc, requests)  # a chunk still in flight is waited for by the nursery
             return False
+        if alone and self._in_flight is None:  # a step beside a chunk runs on one core: not its usual time
+            self.policy.timed(work, time.monotonic() - t0)
         self._apply(work, out)
         return True
 

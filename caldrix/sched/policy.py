@@ -20,6 +20,7 @@ from caldrix.batch import Batch, Run, StepOutput
 from caldrix.protocol import FinishReason, TokenEvent
 from caldrix.sched.sequence import Sequence, Status
 from caldrix.sched.slots import SlotTable
+from caldrix.sched.speculate import DraftTuner, NgramIndex, SpecConfig, accepted
 
 
 @attrs.frozen
@@ -34,6 +35,11 @@ class Policy:
     chunk: int = 128  # prompt tokens per chunk
     prefill_budget: int = 128  # prompt tokens per prefill step, summed over chunks (at least one chunk runs)
     running: list[Sequence] = attrs.Factory(list)
+    # --speculate ngram: greedy sequences propose their next tokens from their own n-grams and
+    # a decode step verifies them (speculate.py). None: plain decoding.
+    speculation: SpecConfig | None = None
+    tuner: DraftTuner = attrs.field(default=attrs.Factory(
+        lambda self: DraftTuner(fixed=self.speculation.draft_tokens if self.speculation else None), takes_self=True))
 
     @property
     def can_admit(self) -> bool:
@@ -48,6 +54,7 @@ class Policy:
         assert got is not None, "admit() without a free slot"
         seq.slot, seq.prefix_rows = got
         seq.num_computed = seq.prefix_rows
+        seq.speculating = self.speculates(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -55,20 +62,43 @@ class Policy:
         return any(not seq.in_prefill for seq in self.running)
 
     def schedule_decode(self) -> Work | None:
-        """One token for every sequence past its prompt; None if there is none."""
+        """One token for every sequence past its prompt, or a verify of its guesses for one
+        that speculates and has some; None if no sequence is past its prompt."""
         seqs = tuple(seq for seq in self.running if not seq.in_prefill)
-        runs = tuple(
-            Run(
-                slot=seq.slot,
-                start=seq.num_computed,
-                token_ids=(seq.output[-1],),
-                pick_at=(0,),
-                sampling=seq.sub.sampling,
-                draw_index=len(seq.output),
-            )
-            for seq in seqs
-        )
+        runs = tuple(self._decode_run(seq) for seq in seqs)
         return Work(Batch(runs), seqs) if runs else None
+
+    def speculates(self, seq: Sequence) -> bool:
+        """Greedy requests with no penalty speculate: their picks are plain arg-maxes, which
+        a verify reproduces exactly. Sampled and penalized ones decode plainly."""
+        p = seq.sub.sampling
+        return (self.speculation is not None and not seq.sub.is_read_only and p.is_greedy
+                and p.repetition_penalty == 1.0)
+
+    def _decode_run(self, seq: Sequence) -> Run:
+        guesses: tuple[int, ...] = ()
+        if seq.speculating:
+            if seq.ngram is None:
+                seq.ngram = NgramIndex(self.speculation.min_n, self.speculation.max_n)
+                seq.ngram.extend(seq.tokens())
+            # No guess past the reply's last token: the pick after the last guess is a token too.
+            room = seq.sub.max_tokens - len(seq.output) - 1
+            k = min(self.tuner.next_length(), room)
+            guesses = seq.ngram.propose(k) if k > 0 else ()
+        return Run(
+            slot=seq.slot,
+            start=seq.num_computed,
+            token_ids=(seq.output[-1],) + guesses,
+            pick_at=tuple(range(1 + len(guesses))),
+            sampling=seq.sub.sampling,
+            draw_index=len(seq.output),
+            verify=bool(guesses),
+        )
+
+    def timed(self, work: Work, seconds: float) -> None:
+        """The loop reports how long a decode step took: the draft tuner weighs row counts by it."""
+        if self.speculation is not None and len(work.seqs) == 1:
+            self.tuner.timed(work.batch.num_tokens, seconds)
 
     def schedule_prefill(self) -> Work | None:
         """Prompt chunks, oldest sequence first, within `prefill_budget` tokens (the first
@@ -117,20 +147,47 @@ class Policy:
             if seq.sub.is_read_only:
                 events.append((seq, self._finish(seq, FinishReason.STOP, None, read=res.read)))
                 continue
-            token = res.token_ids[-1]
-            if token in seq.sub.stop_token_ids:
-                events.append((seq, self._finish(seq, FinishReason.STOP, None)))
-                continue
-            seq.output.append(token)
-            if len(seq.output) >= seq.sub.max_tokens:
-                events.append((seq, self._finish(seq, FinishReason.LENGTH, token)))
+            picks = res.token_ids
+            if run.verify:
+                guesses = run.token_ids[1:]
+                kept = accepted(guesses, picks)
+                self.tuner.record(len(guesses), kept)
+                seq.proposed += len(guesses)
+                seq.accepted += kept
+                picks = picks[: kept + 1]  # the kept guesses, then the model's own pick
             else:
-                events.append((seq, TokenEvent(token)))
+                picks = picks[-1:]
+            before = len(seq.output)
+            for i, token in enumerate(picks):
+                if run.verify:
+                    # Valid rows: the last known token and the guesses kept before pick i. Rows
+                    # past them hold rejected guesses, to be rewritten; a slot released here
+                    # holds only the valid ones.
+                    seq.num_computed = run.start + 1 + i
+                event = self._take(seq, token)
+                events.append((seq, event))
+                if event.finish is not None:
+                    break
+            if seq.ngram is not None and not seq.is_finished:
+                seq.ngram.extend(seq.output[before:])
         return events
+
+    def _take(self, seq: Sequence, token: int) -> TokenEvent:
+        """One picked token for seq: the end of it, or one more reply token."""
+        if token in seq.sub.stop_token_ids:
+            return self._finish(seq, FinishReason.STOP, None)
+        seq.output.append(token)
+        if len(seq.output) >= seq.sub.max_tokens:
+            return self._finish(seq, FinishReason.LENGTH, token)
+        return TokenEvent(token, speculative=self._spec_counts(seq))
+
+    def _spec_counts(self, seq: Sequence) -> tuple[int, int] | None:
+        return (seq.proposed, seq.accepted) if seq.speculating else None
 
     def _finish(self, seq: Sequence, reason: FinishReason, token: int | None, read=()) -> TokenEvent:
         self.release(seq, reason)
-        return TokenEvent(token, finish=reason, prefix_rows=seq.prefix_rows, read=tuple(read))
+        return TokenEvent(token, finish=reason, prefix_rows=seq.prefix_rows, read=tuple(read),
+                          speculative=self._spec_counts(seq))
 
     def release(self, seq: Sequence, reason: FinishReason) -> None:
         """End seq (finished, aborted or failed) and free its slot, keeping its valid rows."""

@@ -7,6 +7,7 @@ import enum
 import attrs
 
 from caldrix.protocol import FinishReason, Submission
+from caldrix.sched.speculate import NgramIndex
 
 
 class Status(enum.IntEnum):
@@ -25,6 +26,12 @@ class Sequence:
     output: list[int] = attrs.Factory(list)
     prefix_rows: int = 0  # prompt rows reused from a held slot
     finish: FinishReason | None = None
+    # Speculation (policy.py): whether this request speculates (set at admission), the n-gram
+    # index of prompt + output (built at its first decode step), the guesses proposed and kept.
+    speculating: bool = False
+    ngram: NgramIndex | None = None
+    proposed: int = 0
+    accepted: int = 0
     # Timings, monotonic seconds, set by the loop; telemetry only.
     t_admitted: float = 0.0
     t_first_token: float = 0.0
