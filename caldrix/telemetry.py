@@ -117,7 +117,6 @@ class RequestRecord:
             "stream": self.stream,
             "blocks": list(self.blocks),
             "prefix_rows": self.prefix_rows,
-            "speculative": _spec_json(self.speculative),
             "timings": {"queued": _r(self.queued), "first_token": _r(self.first_token), "end": _r(self.end)},
         }
 
