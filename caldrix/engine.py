@@ -64,6 +64,7 @@ class Engine:
         model.setup_rope(context)
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
         self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (models/q4.py)
+        self.can_verify = False  # set by check_verify(), which speculation runs once at start
         self.max_threads = torch.get_num_threads()
         self.passive_omp = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
         # Mirror of the token ids in each slot's KV rows: the repetition penalty reads it.
@@ -123,12 +124,47 @@ class Engine:
     def kv_bytes(self) -> int:
         return self.kv.nbytes
 
-    @property
-    def can_verify(self) -> bool:
-        """Whether a speculative verify gives each row exactly a one-row decode step's result.
-        The 4-bit kernels (and the Q8_0 head) do, whatever the row count; the dense matmuls
-        need not, so a dense engine cannot verify."""
-        return self.int4_layers > 0 and not self.pad_decode
+    @torch.inference_mode()
+    def check_verify(self) -> str | None:
+        """Whether a speculative verify pass gives each of its rows exactly what a one-row
+        decode step at that position gives: None if it does, else why not. The answer is
+        cached in `can_verify`; until this runs, the engine refuses verify runs.
+
+        Measured, not assumed: whether a k-row matmul sums each row as a 1-row one does is a
+        property of the kernel torch picks for this dtype, device and CPU (on the development
+        machine bf16 dense and 4-bit do, float32 dense does not). The probe decodes nine rows
+        one step at a time, then recomputes them as one verify pass, at every thread count a
+        step may get, and compares the logits bit for bit. It writes slot 0 only, before the
+        scheduler has admitted anything, and leaves the slot empty."""
+        if self.pad_decode:
+            return "a batched dense engine pads its decode steps, so its rows are not a one-row step's"
+        g = torch.Generator().manual_seed(0)
+        vocab = self.model.cfg.vocab_size
+        ids = torch.randint(0, vocab, (6 + 1 + MAX_DRAFT_TOKENS,), generator=g).tolist()
+        prompt, rows = ids[:6], ids[6:]
+        start = len(prompt)
+        saved = torch.get_num_threads()
+        why = None
+        try:
+            torch.set_num_threads(self.threads_for(0))
+            self.model(torch.tensor(prompt), Attend("prefill", (0,), torch.arange(start), torch.arange(start)), self.kv)
+            one = torch.cat([self.model.logits(self._decode([Run(0, start + i, (t,), (0,))]))
+                             for i, t in enumerate(rows)])
+            for threads in sorted({1, self.threads_for(0)}):
+                torch.set_num_threads(threads)
+                run = Run(0, start, tuple(rows), tuple(range(len(rows))), verify=True)
+                many = self.model.logits(self._decode([run]))
+                if not torch.equal(one, many):
+                    bad = int((one != many).any(dim=-1).nonzero()[0])
+                    why = (f"a verify pass of {len(rows)} rows on {threads} thread(s) computes row {bad} differently "
+                           f"from a one-row step (max logit difference {(one - many).abs().max().item():.3g}), "
+                           f"so its picks could differ from plain decoding")
+                    break
+        finally:
+            torch.set_num_threads(saved)
+            self._rows[0] = []
+        self.can_verify = why is None
+        return why
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:

@@ -125,7 +125,8 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
 def resolve_speculation(cfg: ServeConfig, lane: str, engine) -> tuple[object, tuple[str, ...]]:
     """--speculate against the loaded engine: (SpecConfig or None, notes for the start-up).
 
-    An explicit ngram is refused (FlagError, exit 2) where the engine cannot verify exactly;
+    An explicit ngram is refused (FlagError, exit 2) where the engine's probe finds that a
+    verify pass does not compute each row exactly as a decode step (Engine.check_verify);
     auto turns itself off there, or when the server is batched, with a note. cli.py has
     already refused what needs no engine to judge (draft mode, ngram when batched)."""
     from caldrix.config import FlagError
@@ -142,10 +143,10 @@ def resolve_speculation(cfg: ServeConfig, lane: str, engine) -> tuple[object, tu
     why = None
     if cfg.max_batch > 1:
         why = f"the server is batched (--max-batch {cfg.max_batch}); speculation decodes single-stream"
-    elif not getattr(engine, "can_verify", False):
-        why = (f"a verify pass must compute each row exactly as a decode step does, which here only the "
-               f"4-bit GGUF kernels do (the cpu lane with --dtype bfloat16 and --weights auto); this is "
-               f"the {lane} lane{' with dense weights' if lane == 'cpu' else ''}")
+    elif not hasattr(engine, "check_verify"):
+        why = f"the {lane} lane runs the transformers reference, which has no verify pass"
+    else:
+        why = engine.check_verify()
     if why is not None:
         if cfg.speculate == "ngram":
             raise FlagError(f"--speculate ngram: {why}")

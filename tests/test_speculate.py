@@ -213,7 +213,8 @@ def int4_engine(smollm2_dir):
         pytest.skip("this torch has no int4 CPU matmul")
     engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=512,
                          int4_from=source_gguf(smollm2_dir))
-    assert engine.can_verify
+    assert not engine.can_verify  # until the probe has run
+    assert engine.check_verify() is None and engine.can_verify
     return engine
 
 
@@ -296,11 +297,57 @@ def test_speculation_flags_refused_before_loading(args, flag, says):
     assert flag in out.stderr and says in out.stderr, out.stderr
 
 
-def test_ngram_refused_where_the_engine_cannot_verify(smollm2_dir):
-    """Dense weights: a verify pass of several rows need not give a row a one-row step's result."""
-    out = caldrix("run", str(smollm2_dir), "hi", "--speculate", "ngram", "--weights", "dense", "--max-tokens", "2")
+class _RowCountNoise(torch.nn.Module):
+    """A norm whose output depends on how many rows share the call: what a matmul kernel that
+    sums a k-row product in another order than a 1-row one does, made large and certain."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x) + 1e-2 * (x.shape[0] - 1)
+
+
+def test_the_probe_finds_rows_that_depend_on_the_pass(smollm2_dir):
+    from caldrix.config import FlagError, ServeConfig
+    from caldrix.engine import Engine
+    from caldrix.runtime import resolve_speculation
+
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=64)
+    engine.model.norm = _RowCountNoise(engine.model.norm)
+    why = engine.check_verify()
+    assert why is not None and "row 0" in why and not engine.can_verify, why
+    with pytest.raises(AssertionError, match="cannot verify"):
+        engine.step(Batch((Run(0, 0, (5, 6, 7), (0, 1, 2), verify=True),)))
+    with pytest.raises(FlagError, match="--speculate ngram: a verify pass of 9 rows"):
+        resolve_speculation(ServeConfig(speculate="ngram"), "cpu", engine)
+    spec, notes = resolve_speculation(ServeConfig(speculate="auto"), "cpu", engine)
+    assert spec is None and notes[-1].startswith("speculation off: a verify pass")
+    # The probe leaves slot 0 empty for the scheduler.
+    assert engine._rows[0] == []
+
+
+def test_a_dense_engine_speculates_where_its_probe_passes(smollm2_dir):
+    """Dense bf16 weights: whether the kernel keeps rows apart is the machine's to say. Where
+    the probe says it does, a verify pass must pick what one-row steps pick."""
+    from caldrix.engine import Engine
+
+    eng = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=128)
+    if eng.check_verify() is not None:
+        pytest.skip("this CPU's dense bf16 kernel sums a verify pass's rows differently")
+    prompt, guesses = tuple(range(400, 420)), (11, 12, 13, 14)
+    eng.step(Batch((Run(0, 0, prompt, (len(prompt) - 1,)),)))
+    one = [eng.step(Batch((Run(0, len(prompt) + i, (t,), (0,)),))).runs[0].token_ids[0]
+           for i, t in enumerate((99,) + guesses)]
+    run = Run(0, len(prompt), (99,) + guesses, tuple(range(5)), verify=True)
+    assert list(eng.step(Batch((run,))).runs[0].token_ids) == one
+
+
+def test_ngram_refused_on_the_host_lane(smollm2_dir):
+    out = caldrix("run", str(smollm2_dir), "hi", "--speculate", "ngram", "--backend", "host", "--max-tokens", "2")
     assert out.returncode == 2, out.stderr
-    assert "--speculate ngram" in out.stderr and "4-bit" in out.stderr and "Traceback" not in out.stderr
+    assert "--speculate ngram: the host lane" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_auto_turns_itself_off_with_a_note():
@@ -310,12 +357,13 @@ def test_auto_turns_itself_off_with_a_note():
     from caldrix.runtime import resolve_speculation
 
     class Verifies:
-        can_verify = True
+        def check_verify(self):
+            return None
 
     spec, notes = resolve_speculation(ServeConfig(speculate="auto", max_batch=4), "cpu", Verifies())
     assert spec is None and "batched (--max-batch 4)" in notes[-1]
-    spec, notes = resolve_speculation(ServeConfig(speculate="auto"), "cpu", object())
-    assert spec is None and notes[-1].startswith("speculation off")
+    spec, notes = resolve_speculation(ServeConfig(speculate="auto"), "host", object())
+    assert spec is None and notes[-1].startswith("speculation off: the host lane")
     cfg = ServeConfig(speculate="auto", draft="d", speculation_memory="m", ngram=(1, 3), draft_tokens=2)
     spec, notes = resolve_speculation(cfg, "cpu", Verifies())
     assert attrs.astuple(spec) == (1, 3, 2)
