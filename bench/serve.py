@@ -1,11 +1,11 @@
 """Serving benchmark: caldrix serve against its peers, same model, same machine, one run.
 
-    .venv/bin/python bench/serve.py [--quick] [--json OUT.json] [--skip caldrix,mb1,llama,hf]
+    .venv/bin/python bench/serve.py [--quick] [--json OUT.json] [--skip caldrix,mb1,spec,llama,hf]
                                     [--llama-wait-policy active|default|passive] [--rebuild-llama]
 
 Peers, one at a time (never two decoding at once):
-  caldrix           `caldrix serve GGUF --max-batch 8` (and, unless --quick, a second server at
-                    --max-batch 1 for the single stream alone)
+  caldrix           `caldrix serve GGUF --max-batch 8` (and, unless --quick, two more servers for
+                    the single stream alone: --max-batch 1, and --max-batch 1 --speculate ngram)
   llama-cpp-python  `python -m llama_cpp.server --model GGUF --n_threads 2 ...`, installed on first
                     use into its own venv, .venv-bench (a source build: several minutes on 2
                     cores); never a dependency of caldrix. If it cannot be built, its column is n/a.
@@ -341,11 +341,11 @@ class Server:
 CALDRIX_FLAGS: list[str] = []  # --caldrix-flags: extra `caldrix serve` flags to try
 
 
-def start_caldrix(gguf: Path, max_batch: int, logdir: Path) -> Server:
+def start_caldrix(gguf: Path, max_batch: int, logdir: Path, extra: tuple[str, ...] = (), name: str = "") -> Server:
     port = free_port()
     args = [sys.executable, "-m", "caldrix", "serve", str(gguf), "--port", str(port), "--max-batch", str(max_batch),
-            "--context", str(CONTEXT), "--log-level", "warning", *CALDRIX_FLAGS]
-    srv = Server("caldrix", args, port, logdir / f"caldrix-mb{max_batch}.log")
+            "--context", str(CONTEXT), "--log-level", "warning", *extra, *CALDRIX_FLAGS]
+    srv = Server("caldrix", args, port, logdir / f"caldrix-mb{max_batch}{name}.log")
     try:
         srv.wait_ready(600)
     except Exception:
@@ -381,6 +381,7 @@ class Rec:
         self.sent = 0.0
         self.chunks: list[float] = []  # arrival times of chunks carrying text or token ids
         self.tokens = 0
+        self.ids: list[int] = []  # token ids, where the server sends them
         self.usage: dict | None = None
         self.error: str | None = None
         self.end = 0.0
@@ -444,6 +445,7 @@ async def stream(client, body: dict, rec: Rec | None = None, on_token=None) -> R
                     if choice.get("text") or ids:
                         rec.chunks.append(now)
                         rec.tokens += len(ids) if ids is not None else 1
+                        rec.ids.extend(ids or ())
                         if on_token is not None:
                             on_token(rec)
     except httpx.HTTPError as exc:
@@ -510,10 +512,15 @@ async def _run_http(srv: Server, plan: Plan, out: dict, single_only: bool) -> No
         check(recs, n, "single stream")
         out["single_runs_tok_s"] = [r.tokens / r.e2e for r in recs]
         out["single_tok_s"] = median(out["single_runs_tok_s"])
+        out["single_ids"] = [r.ids for r in recs]
         out["single_best_tok_s"] = max(out["single_runs_tok_s"])
         out["single_ttft_ms"] = ms(median([r.ttft for r in recs]))
         gaps = [g for r in recs for g in r.gaps]
         out["single_itl_p50_ms"], out["single_itl_p99_ms"] = ms(pct(gaps, 0.5)), ms(pct(gaps, 0.99))
+        spec = [r.usage["speculative"] for r in recs if r.usage and "speculative" in r.usage]
+        if spec:
+            out["single_spec_proposed"] = sum(s["proposed"] for s in spec)
+            out["single_spec_accepted"] = sum(s["accepted"] for s in spec)
         if single_only:
             return
 
@@ -687,6 +694,7 @@ ROWS = [
     ("single_tok_s", "single stream tok/s (median run)", "tok/s", "higher"),
     ("single_best_tok_s", "single stream tok/s (best run)", "tok/s", "higher"),
     ("single_mb1_tok_s", "single stream tok/s (median), caldrix --max-batch 1", "tok/s", "higher"),
+    ("single_spec_tok_s", "single stream tok/s (median), caldrix --max-batch 1 --speculate ngram", "tok/s", "higher"),
     ("single_ttft_ms", "single stream TTFT", "ms", "lower"),
     ("single_itl_p50_ms", "single stream ITL p50", "ms", "lower"),
     ("single_itl_p99_ms", "single stream ITL p99", "ms", "lower"),
@@ -760,7 +768,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="caldrix serve against llama-cpp-python's server and transformers generate")
     ap.add_argument("--quick", action="store_true", help="32 tokens a stream, one run each, short traces, no --max-batch 1 server")
     ap.add_argument("--json", metavar="PATH", default=None, help="also write every number to PATH as JSON")
-    ap.add_argument("--skip", default="", help="comma list of: caldrix, mb1, llama, hf")
+    ap.add_argument("--skip", default="", help="comma list of: caldrix, mb1, spec, llama, hf")
     ap.add_argument("--caldrix-flags", default="", help='extra caldrix serve flags, e.g. "--prefill-chunk 32"')
     ap.add_argument("--llama-wait-policy", choices=["default", "active", "passive"], default="default",
                     help="OMP_WAIT_POLICY for llama-cpp-python's server: default (as this shell has it), "
@@ -830,6 +838,21 @@ def main() -> int:
                     results["caldrix"]["mb1"] = r1
                 finally:
                     results["caldrix"]["mb1_peak_rss_mb"] = srv.stop()
+            if not args.quick and "spec" not in skip:
+                progress("caldrix serve --max-batch 1 --speculate ngram: starting")
+                srv = start_caldrix(gguf, 1, logdir, ("--speculate", "ngram"), "-ngram")
+                try:
+                    r2 = run_http(srv, plan, {}, single_only=True)
+                    results["caldrix"]["single_spec_tok_s"] = r2["single_tok_s"]
+                    results["caldrix"]["spec"] = r2
+                    if "single_spec_proposed" in r2:
+                        same = "mb1" in results["caldrix"] and r2["single_ids"] == results["caldrix"]["mb1"]["single_ids"]
+                        notes.append(f"caldrix --speculate ngram, single stream: {r2['single_spec_accepted']} of "
+                                     f"{r2['single_spec_proposed']} guesses accepted over {plan.single_reps} x "
+                                     f"{plan.tokens} tokens; the same tokens as --max-batch 1 without it: "
+                                     f"{'yes' if same else 'NO' if 'mb1' in results['caldrix'] else 'not compared'}")
+                finally:
+                    results["caldrix"]["spec_peak_rss_mb"] = srv.stop()
         except Exception as exc:  # noqa: BLE001 -- a peer that fails is a column of n/a, not a crash
             failed("caldrix", exc, results, na, notes)
 
