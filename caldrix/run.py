@@ -44,14 +44,18 @@ def run_once(cfg: ServeConfig, prompt: str, *, chat: bool, max_tokens: int | Non
             await nursery.start(rt.scheduler.run, rx)
             async with tx:
                 events = submit(tx, req)
+                spec = None
                 try:
                     async for piece in pieces(events, tok, stops, prompt_ids=ids):
                         sys.stdout.write(piece.text)
                         sys.stdout.flush()
+                        spec = piece.speculative or spec
                 except EngineFailed as exc:
                     print(f"\ncaldrix: engine failure: {exc}", file=sys.stderr)
                     return 1
         sys.stdout.write("\n")
+        if spec is not None:
+            print(f"caldrix: speculative: {spec[1]} of {spec[0]} guesses kept", file=sys.stderr)
         return 0
 
     return trio.run(main)

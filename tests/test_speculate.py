@@ -350,6 +350,17 @@ def test_ngram_refused_on_the_host_lane(smollm2_dir):
     assert "--speculate ngram: the host lane" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_run_prints_the_plain_reply_and_the_guesses_kept(smollm2_dir):
+    args = ("run", str(smollm2_dir), "Explain how a bicycle works to a child.", "--chat", "--max-tokens", "48",
+            "--context", "256")
+    plain, fast = caldrix(*args), caldrix(*args, "--speculate", "ngram")
+    assert plain.returncode == fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout and len(plain.stdout) > 40
+    assert "guesses kept" not in plain.stderr
+    kept = fast.stderr.strip().splitlines()[-1]
+    assert kept.startswith("caldrix: speculative: ") and kept.endswith(" guesses kept"), fast.stderr
+
+
 def test_auto_turns_itself_off_with_a_note():
     import attrs
 
