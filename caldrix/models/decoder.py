@@ -123,19 +123,23 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(cfg: DecoderConfig, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, fp32 [rows, E], in the half-split layout (rotate_half)."""
+    """cos and signed sin, fp32 [rows, E], in the half-split layout (rotate_half); the sin
+    table's first half is negated, for apply_rope."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
     t = torch.arange(rows, dtype=torch.int64).float()
     freqs = torch.outer(t, inv)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    sin = emb.sin()
+    sin[:, : cfg.head_dim // 2].neg_()
+    return emb.cos().to(device), sin.to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, E]; cos, sin: [T, 1, E] in x's dtype
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x: [T, heads, E]; cos, sin: [T, 1, E] in x's dtype, sin's first half negated.
+    # rotate_half(x) * sin_ref = cat(-x2, x1) * sin_ref = roll(x, E/2) * sin: the same products
+    # (a sign moves from one factor to the other, exactly), in 4 ops instead of 7; at one row
+    # that is about 13 us a layer of dispatch.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Block(nn.Module):
@@ -178,6 +182,14 @@ class Block(nn.Module):
         T, h, e = q.shape
         K, V = kv.k[self.index], kv.v[self.index]  # [S, G, C+1, E]
         scale = 1.0 / math.sqrt(e)
+        if at.kind == "decode" and T == 1 and at.lengths[0]:
+            # One row (single-stream decode): the general form below with its list and cat
+            # taken out, about 8 us a layer; the same call on the same rows.
+            s, n = at.slots[0], at.lengths[0]
+            K[s, :, n - 1], V[s, :, n - 1] = k[0], v[0]
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), K[s : s + 1, :, :n], V[s : s + 1, :, :n],
+                                                 scale=scale, enable_gqa=True)
+            return out.reshape(1, h * e)
         if at.kind == "decode":
             K[at.slot_index, :, at.write_rows] = k  # k: [T, G, E], one row per slot
             V[at.slot_index, :, at.write_rows] = v
