@@ -86,8 +86,19 @@ def test_tuner_follows_acceptance_and_measured_pass_times():
         steep.timed(rows, 0.010 * rows)  # each row costs a whole step: guessing never pays much
     for _ in range(30):
         steep.record(4, 1)
-    assert steep.next_length() == 1
+    assert steep.next_length() == 0  # a verify never yields more per second than a plain step
     assert (steep.proposed, steep.accepted) == (120, 30)
+    # Measured costs (a 2-row pass 1.27 steps): failing guesses stop guessing, and checks of
+    # the unverified guesses against plain picks start it again; totals count verified guesses.
+    real = DraftTuner()
+    for rows, ms in ((1, 28.5), (2, 36.2), (3, 41.7), (4, 48.0), (5, 70.6)):
+        real.timed(rows, ms / 1000)
+    for _ in range(20):
+        real.record(1, 0)
+    assert real.next_length() == 0
+    for _ in range(20):
+        real.shadow(True)
+    assert real.next_length() >= 1 and (real.proposed, real.accepted) == (20, 0)
 
 
 # -- the policy with a fake engine ---------------------------------------------------------------
@@ -164,6 +175,32 @@ def test_verify_replies_equal_plain_replies(max_tokens, stop, draft_tokens):
     held = slots.held[0]
     assert held == (prompt + tuple(want))[: len(held)]
     assert len(held) >= len(prompt) + len(want) - 1
+
+
+class _TimesFixed(DraftTuner):
+    """The fake engine's microsecond steps would otherwise be the measured pass times."""
+
+    def timed(self, rows, seconds):
+        pass
+
+
+def test_a_tuner_that_stopped_guessing_resumes_on_repeating_text():
+    tuner = _TimesFixed()
+    DraftTuner.timed(tuner, 1, 0.0285)
+    DraftTuner.timed(tuner, 2, 0.0362)
+    for _ in range(20):
+        tuner.record(1, 0)
+    assert tuner.next_length() == 0
+    prompt = (5, 2, 6, 1, 10, 7, 8, 4, 9, 0, 3, 2)
+    policy = Policy(SlotTable(1), chunk=4, prefill_budget=4, speculation=SpecConfig(), tuner=tuner)
+    engine = CycleEngine()
+    events = run_policy(policy, engine, prompt, 40)
+    assert [e.token_id for e in events if e.token_id is not None] == plain_reply(prompt, 40)[0]
+    runs = [r for b in engine.batches for r in b.runs if r.start >= len(prompt)]
+    assert not runs[0].verify  # a plain step first: the guesses had failed
+    assert any(r.verify for r in runs)  # the cycle's guess held in the shadow check: guessing resumed
+    proposed, kept = events[-1].speculative
+    assert proposed == sum(len(r.token_ids) - 1 for r in runs if r.verify) and kept > 0
 
 
 def test_wrong_guesses_are_rewritten_in_place():

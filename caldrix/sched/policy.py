@@ -85,6 +85,8 @@ class Policy:
             room = seq.sub.max_tokens - len(seq.output) - 1
             k = min(self.tuner.next_length(), room)
             guesses = seq.ngram.propose(k) if k > 0 else ()
+            if k == 0 and room > 0:
+                seq.shadow = next(iter(seq.ngram.propose(1)), None)
         return Run(
             slot=seq.slot,
             start=seq.num_computed,
@@ -157,6 +159,9 @@ class Policy:
                 picks = picks[: kept + 1]  # the kept guesses, then the model's own pick
             else:
                 picks = picks[-1:]
+                if seq.shadow is not None:
+                    self.tuner.shadow(picks[0] == seq.shadow)
+                    seq.shadow = None
             before = len(seq.output)
             for i, token in enumerate(picks):
                 if run.verify:

@@ -32,6 +32,7 @@ class Sequence:
     ngram: NgramIndex | None = None
     proposed: int = 0
     accepted: int = 0
+    shadow: int | None = None  # a guess looked up but not verified this step (DraftTuner.shadow)
     # Timings, monotonic seconds, set by the loop; telemetry only.
     t_admitted: float = 0.0
     t_first_token: float = 0.0

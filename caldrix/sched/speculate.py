@@ -9,8 +9,9 @@ have picked, plus the model's own pick after them. So a greedy reply is the same
 decoding gives, as long as every row of the verify pass computes exactly what a one-row decode
 step computes (the engine guarantees that, or refuses speculation: engine.py).
 
-The draft length is tuned live (when --draft-tokens does not fix it), server-wide: a verify
-whose guesses were all kept lengthens the next draft by one, one that kept none shortens it.
+The draft length is tuned live (when --draft-tokens does not fix it), server-wide, by
+DraftTuner: from the measured acceptance and the measured pass times, the length with the most
+tokens per second, or none at all when a plain step is expected to yield more.
 """
 
 from __future__ import annotations
@@ -98,13 +99,17 @@ class DraftTuner:
     _seconds: dict[int, float] = attrs.Factory(dict)  # rows -> decayed mean pass time
 
     def next_length(self) -> int:
+        """Guesses for the next pass; 0: a plain one-row step is expected to yield more tokens
+        per second than any verify (the guesses keep failing). The policy then checks the
+        lookup's first guess against the plain pick for free (`shadow`), so the acceptance
+        estimate keeps moving and guessing resumes when the text starts repeating."""
         if self.fixed is not None:
             return self.fixed
         one = self._seconds.get(1)
         if one is None:
             return 1
         p = min(self._kept / (self._kept + self._missed), 0.99)
-        best, best_rate = 1, 0.0
+        best, best_rate = 0, 1.0 / one
         for k in range(1, MAX_DRAFT_TOKENS + 1):
             t = self._seconds.get(k + 1, one * (1 + 0.05 * k))
             rate = (1 - p ** (k + 1)) / (1 - p) / t
@@ -118,6 +123,13 @@ class DraftTuner:
         self.accepted += accepted
         self._kept = DECAY * self._kept + accepted
         self._missed = DECAY * self._missed + (accepted < proposed)
+
+    def shadow(self, kept: bool) -> None:
+        """A guess looked up but not verified: the plain step's pick did (or did not) equal it.
+        Moves the acceptance estimate only; the proposed and accepted totals count verified
+        guesses."""
+        self._kept = DECAY * self._kept + kept
+        self._missed = DECAY * self._missed + (not kept)
 
     def timed(self, rows: int, seconds: float) -> None:
         """A decode or verify pass of `rows` rows took `seconds`."""
