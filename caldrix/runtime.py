@@ -61,7 +61,8 @@ class Runtime:
         lanes = "beside decode steps, one core each" if getattr(self.engine, "overlap_lanes", False) else "between decode steps"
         say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}, prefill chunks of {cfg.prefill_chunk} {lanes}")
         scratch = " and a scratch slot" if getattr(self.engine, "pad_decode", False) else ""
-        say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({cfg.max_batch} slots{scratch}, {self.context} rows each)")
+        slots = f"{cfg.max_batch} slot" + ("s" if cfg.max_batch > 1 else "")
+        say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({slots}{scratch}, {self.context} rows each)")
         for note in self.notes:
             say(f"caldrix: note: {note}")
         spec = self.speculation
