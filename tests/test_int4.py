@@ -133,3 +133,26 @@ def test_q8_0_head_only_at_max_batch_1(smollm2_dir, gguf_file):
     assert not two.int4_head and two.model.head is None
     a, b = generate(one, [ids], 8, together=True)[0], generate(two, [ids], 8, together=True)[0]
     assert a[:4] == b[:4], (a, b)
+
+
+def test_scripted_one_row_layers_give_the_eager_bits(smollm2_dir, gguf_file):
+    """models/scripted.py runs a 4-bit layer's one-row decode as one TorchScript call: the
+    logits must be the eager path's, bit for bit, at every step (the KV rows it writes
+    included, since later steps read them)."""
+    from caldrix.batch import Batch, Run
+
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=128, int4_from=gguf_file)
+    assert engine.scripted_rows
+    fn = engine.model.layers[0].row_fn
+    assert fn is not None and all(b.row_fn is fn for b in engine.model.layers)
+
+    def logits(scripted: bool) -> list[torch.Tensor]:
+        for b in engine.model.layers:
+            b.row_fn = fn if scripted else None
+        prompt = tuple(range(500, 530))
+        engine.step(Batch((Run(0, 0, prompt, ()),)))
+        return [engine.model.logits(engine._decode([Run(0, len(prompt) + i, (t,), (0,))]))
+                for i, t in enumerate((11, 4000, 37, 29000, 5, 812))]
+
+    eager, scripted = logits(False), logits(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, scripted))

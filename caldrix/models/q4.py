@@ -61,6 +61,19 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 MAX_INT4_ROWS = 8
 
 
+def script_decode_rows(model: nn.Module) -> bool:
+    """Give every layer whose four projections are all 4-bit, and which has no q/k norms, the
+    scripted one-row decode path (models/scripted.py). Whether any layer took it."""
+    from caldrix.models import scripted
+
+    layers = [b for b in model.layers if b.q_norm is None
+              and all(isinstance(m, Int4Linear) for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down))]
+    fn = scripted.compile_layer() if layers else None
+    for b in layers if fn is not None else ():
+        b.row_fn = fn
+    return fn is not None
+
+
 def set_max_int4_rows(model: nn.Module, rows: int) -> None:
     for module in model.modules():
         if isinstance(module, Int4Linear):
@@ -82,6 +95,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
         self.dense = dense
         self.max_int4_rows = MAX_INT4_ROWS
+        self.group = GROUP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.max_int4_rows:
