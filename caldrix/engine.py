@@ -65,7 +65,7 @@ class Engine:
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
         self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (models/q4.py)
         self.can_verify = False  # set by check_verify(), which speculation runs once at start
-        self.scripted_rows = False  # one-row decode layers run as one TorchScript call (models/scripted.py)
+        self.scripted_rows = False  # decode-form layers run as one TorchScript call (models/scripted.py)
         self.max_threads = torch.get_num_threads()
         self.passive_omp = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
         # Mirror of the token ids in each slot's KV rows: the repetition penalty reads it.

@@ -57,7 +57,7 @@ class Runtime:
         if getattr(self.engine, "int4_head", False):
             weights += ", the lm_head as Q8_0 blocks"
         if getattr(self.engine, "scripted_rows", False):
-            weights += "; one-row decode layers scripted"
+            weights += "; decode layers scripted"
         say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")
         lanes = "beside decode steps, one core each" if getattr(self.engine, "overlap_lanes", False) else "between decode steps"

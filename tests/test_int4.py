@@ -135,13 +135,13 @@ def test_q8_0_head_only_at_max_batch_1(smollm2_dir, gguf_file):
     assert a[:4] == b[:4], (a, b)
 
 
-def test_scripted_one_row_layers_give_the_eager_bits(smollm2_dir, gguf_file):
-    """models/scripted.py runs a 4-bit layer's one-row decode as one TorchScript call: the
-    logits must be the eager path's, bit for bit, at every step (the KV rows it writes
-    included, since later steps read them)."""
+def test_scripted_decode_layers_give_the_eager_bits(smollm2_dir, gguf_file):
+    """models/scripted.py runs a 4-bit layer's decode-form pass as one TorchScript call: one
+    row, three slots' rows, and a verify run's rows must give the eager path's logits bit for
+    bit, step after step (the KV rows it writes included, since later steps read them)."""
     from caldrix.batch import Batch, Run
 
-    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=128, int4_from=gguf_file)
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=3, context=128, int4_from=gguf_file)
     assert engine.scripted_rows
     fn = engine.model.layers[0].row_fn
     assert fn is not None and all(b.row_fn is fn for b in engine.model.layers)
@@ -149,10 +149,18 @@ def test_scripted_one_row_layers_give_the_eager_bits(smollm2_dir, gguf_file):
     def logits(scripted: bool) -> list[torch.Tensor]:
         for b in engine.model.layers:
             b.row_fn = fn if scripted else None
-        prompt = tuple(range(500, 530))
-        engine.step(Batch((Run(0, 0, prompt, ()),)))
-        return [engine.model.logits(engine._decode([Run(0, len(prompt) + i, (t,), (0,))]))
-                for i, t in enumerate((11, 4000, 37, 29000, 5, 812))]
+        prompts = [tuple(range(500, 530)), tuple(range(700, 711)), tuple(range(900, 947))]
+        for slot, p in enumerate(prompts):
+            engine.step(Batch((Run(slot, 0, p, ()),)))
+        out = []
+        for i, t in enumerate((11, 4000, 37, 29000)):
+            runs = [Run(0, len(prompts[0]) + i, (t,), (0,))]  # one row
+            out.append(engine.model.logits(engine._decode(runs)))
+            runs = [Run(s, len(p) + i, (t + s,), (0,)) for s, p in enumerate(prompts)]  # three slots
+            out.append(engine.model.logits(engine._decode(runs)))
+        verify = Run(1, len(prompts[1]) + 4, (5, 812, 77, 3), (0, 1, 2, 3), verify=True)
+        out.append(engine.model.logits(engine._decode([verify, Run(2, len(prompts[2]) + 4, (9,), (0,))])))
+        return out
 
     eager, scripted = logits(False), logits(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, scripted))

@@ -161,20 +161,21 @@ class Block(nn.Module):
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # scripted.decode_row, set by the engine for 4-bit llama layers: the one-row decode
-        # path below as one TorchScript call, the same ATen calls without Python between them.
+        # scripted.decode_rows, set by the engine for 4-bit llama layers: the decode path below
+        # as one TorchScript call, the same ATen calls without Python between them.
         self.row_fn = None
 
     def forward(self, x, cos, sin, at: Attend, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
         h, g, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if self.row_fn is not None and at.kind == "decode" and T == 1 and at.lengths[0]:
+        if self.row_fn is not None and at.kind == "decode" and T <= self.wqkv.max_int4_rows:
             return self.row_fn(x, self.input_norm.weight, self.post_norm.weight, self.input_norm.eps,
                                self.wqkv.packed, self.wqkv.scale_zero, self.wo.packed, self.wo.scale_zero,
                                self.w_gate_up.packed, self.w_gate_up.scale_zero, self.w_down.packed,
                                self.w_down.scale_zero, self.wqkv.group, kv.k[self.index], kv.v[self.index],
-                               at.slots[0], at.lengths[0], cos, sin, h, g, e, 1.0 / math.sqrt(e))
+                               list(at.slots), list(at.lengths), at.slot_index, at.write_rows, cos, sin, h, g, e,
+                               1.0 / math.sqrt(e))
         qkv = self.wqkv(self.input_norm(x))  # [T, (H+2G)E]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk, v = qk.view(T, h + g, e), v.view(T, g, e)

@@ -63,7 +63,7 @@ MAX_INT4_ROWS = 8
 
 def script_decode_rows(model: nn.Module) -> bool:
     """Give every layer whose four projections are all 4-bit, and which has no q/k norms, the
-    scripted one-row decode path (models/scripted.py). Whether any layer took it."""
+    scripted decode path (models/scripted.py). Whether any layer took it."""
     from caldrix.models import scripted
 
     layers = [b for b in model.layers if b.q_norm is None
