@@ -164,3 +164,33 @@ def test_scripted_decode_layers_give_the_eager_bits(smollm2_dir, gguf_file):
 
     eager, scripted = logits(False), logits(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, scripted))
+
+
+def test_the_tensor_index_reads_what_the_gguf_package_reads(gguf_file):
+    """models/gguf_index.py skips the metadata values gguf.GGUFReader parses (7 s of the
+    tokenizer's strings); every tensor's type, shape and bytes must still be the same."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from caldrix.models.gguf_index import read_tensors
+
+    ours = read_tensors(gguf_file)
+    ref = {t.name: t for t in GGUFReader(str(gguf_file)).tensors}
+    assert ours.keys() == ref.keys() and len(ours) == 272
+    for name, r in ref.items():
+        t = ours[name]
+        assert (t.tensor_type, t.shape) == (int(r.tensor_type), tuple(int(x) for x in r.shape)), name
+        assert np.array_equal(t.data, np.asarray(r.data).view(np.uint8).reshape(t.data.shape)), name
+    assert {t.tensor_type for t in ours.values()} == {0, 3, 8}  # F32 norms, Q4_1, Q8_0
+
+
+def test_the_tensor_index_refuses_what_is_not_gguf(tmp_path):
+    from caldrix.models.gguf_index import read_tensors
+
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        read_tensors(bad)
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (5).to_bytes(8, "little"))
+    with pytest.raises(ValueError, match="truncated"):
+        read_tensors(bad)

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from caldrix.models.gguf_index import read_tensors
+
 GROUP = 32
 Q4_1 = 3  # ggml type id
 BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
@@ -136,13 +138,11 @@ class Q8AsInt4Linear(nn.Module):
 def head_from_gguf(model: nn.Module, gguf_path: Path) -> bool:
     """Give the model a Q8AsInt4Linear lm_head where the GGUF holds it (or the tied embedding)
     as Q8_0. Returns whether it did; the dense head stays otherwise."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    tensors = read_tensors(gguf_path)
     t = tensors.get("token_embd.weight") if model.cfg.tie_embeddings else tensors.get("output.weight")
     if t is None or int(t.tensor_type) != Q8_0:
         return False
-    q, d = unpack_q8_0(np.asarray(t.data), int(t.shape[0]))
+    q, d = unpack_q8_0(t.data, int(t.shape[0]))
     model.head = Q8AsInt4Linear(q, d)
     return True
 
@@ -152,17 +152,15 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
 
     Returns how many layers were swapped; a layer whose tensors are of another type keeps its
     dense weights. The model must be the Decoder loaded from the same file's conversion."""
-    from gguf import GGUFReader
-
     cfg = model.cfg
-    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    tensors = read_tensors(gguf_path)
 
     def q4(name: str, heads: int | None = None):
         t = tensors.get(name)
         if t is None or int(t.tensor_type) != Q4_1:
             return None
         cols = int(t.shape[0])  # gguf shapes are [K, N]
-        q, d, m = unpack_q4_1(np.asarray(t.data), cols)
+        q, d, m = unpack_q4_1(t.data, cols)
         if heads is not None:
             idx = unpermute_rows(q.shape[0], heads)
             q, d, m = q[idx], d[idx], m[idx]
