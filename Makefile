@@ -23,7 +23,7 @@ serve: $(BIN)/.installed
 	$(BIN)/caldrix serve $(ARGS)
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/decode.py $(ARGS)
