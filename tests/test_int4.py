@@ -136,19 +136,18 @@ def test_q8_0_head_only_at_max_batch_1(smollm2_dir, gguf_file):
 
 
 def test_scripted_decode_layers_give_the_eager_bits(smollm2_dir, gguf_file):
-    """models/scripted.py runs a 4-bit layer's decode-form pass as one TorchScript call: one
-    row, three slots' rows, and a verify run's rows must give the eager path's logits bit for
-    bit, step after step (the KV rows it writes included, since later steps read them)."""
+    """models/scripted.py runs a decode-form pass through every 4-bit layer as one TorchScript
+    call: one row, three slots' rows, and a verify run's rows must give the eager path's logits
+    bit for bit, step after step (the KV rows it writes included, since later steps read them)."""
     from caldrix.batch import Batch, Run
 
     engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=3, context=128, int4_from=gguf_file)
     assert engine.scripted_rows
-    fn = engine.model.layers[0].row_fn
-    assert fn is not None and all(b.row_fn is fn for b in engine.model.layers)
+    fn = engine.model.stack_fn
+    assert fn is not None and len(engine.model.stack_weights) == 10 * len(engine.model.layers)
 
     def logits(scripted: bool) -> list[torch.Tensor]:
-        for b in engine.model.layers:
-            b.row_fn = fn if scripted else None
+        engine.model.stack_fn = fn if scripted else None
         prompts = [tuple(range(500, 530)), tuple(range(700, 711)), tuple(range(900, 947))]
         for slot, p in enumerate(prompts):
             engine.step(Batch((Run(slot, 0, p, ()),)))

@@ -161,21 +161,11 @@ class Block(nn.Module):
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # scripted.decode_rows, set by the engine for 4-bit llama layers: the decode path below
-        # as one TorchScript call, the same ATen calls without Python between them.
-        self.row_fn = None
 
     def forward(self, x, cos, sin, at: Attend, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
         h, g, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if self.row_fn is not None and at.kind == "decode" and T <= self.wqkv.max_int4_rows:
-            return self.row_fn(x, self.input_norm.weight, self.post_norm.weight, self.input_norm.eps,
-                               self.wqkv.packed, self.wqkv.scale_zero, self.wo.packed, self.wo.scale_zero,
-                               self.w_gate_up.packed, self.w_gate_up.scale_zero, self.w_down.packed,
-                               self.w_down.scale_zero, self.wqkv.group, kv.k[self.index], kv.v[self.index],
-                               list(at.slots), list(at.lengths), at.slot_index, at.write_rows, cos, sin, h, g, e,
-                               1.0 / math.sqrt(e))
         qkv = self.wqkv(self.input_norm(x))  # [T, (H+2G)E]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk, v = qk.view(T, h + g, e), v.view(T, g, e)
@@ -239,6 +229,10 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head: nn.Module | None = None  # a quantized stand-in for the lm_head: hidden -> fp32 logits
+        # scripted.decode_stack and its weights, set by the engine when every layer is 4-bit
+        # llama: a decode-form pass through all layers as one TorchScript call.
+        self.stack_fn = None
+        self.stack_weights: list[torch.Tensor] = []
         self.cos = self.sin = None  # set by setup_rope
 
     def setup_rope(self, rows: int) -> None:
@@ -250,6 +244,11 @@ class Decoder(nn.Module):
         dtype = x.dtype
         cos = self.cos[at.positions].to(dtype).unsqueeze(1)  # [T, 1, E]
         sin = self.sin[at.positions].to(dtype).unsqueeze(1)
+        if self.stack_fn is not None and at.kind == "decode" and x.shape[0] <= self.layers[0].wqkv.max_int4_rows:
+            cfg = self.cfg
+            return self.stack_fn(x, self.stack_weights, cfg.rms_norm_eps, self.layers[0].wqkv.group, kv.k, kv.v,
+                                 list(at.slots), list(at.lengths), at.slot_index, at.write_rows, cos, sin,
+                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim))
         for layer in self.layers:
             x = layer(x, cos, sin, at, kv)
         return x

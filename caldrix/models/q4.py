@@ -64,16 +64,18 @@ MAX_INT4_ROWS = 8
 
 
 def script_decode_rows(model: nn.Module) -> bool:
-    """Give every layer whose four projections are all 4-bit, and which has no q/k norms, the
-    scripted decode path (models/scripted.py). Whether any layer took it."""
+    """Where every layer's four projections are 4-bit and no layer has q/k norms, give the
+    model the scripted decode path through all its layers (models/scripted.py). Whether it did."""
     from caldrix.models import scripted
 
-    layers = [b for b in model.layers if b.q_norm is None
-              and all(isinstance(m, Int4Linear) for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down))]
-    fn = scripted.compile_layer() if layers else None
-    for b in layers if fn is not None else ():
-        b.row_fn = fn
-    return fn is not None
+    if not all(b.q_norm is None and all(isinstance(m, Int4Linear) for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down))
+               for b in model.layers):
+        return False
+    fn = scripted.compile_stack()
+    if fn is None:
+        return False
+    model.stack_fn, model.stack_weights = fn, scripted.stack_weights(model.layers)
+    return True
 
 
 def set_max_int4_rows(model: nn.Module, rows: int) -> None:

@@ -1,16 +1,17 @@
-"""A decode layer as one TorchScript function, for 4-bit llama-family layers.
+"""The decode layers as one TorchScript function, for 4-bit llama-family models.
 
 A decode step makes about 35 torch calls a layer, plus 4 a row for the per-slot attention, and
-each call that is not a matmul costs a few microseconds of Python, whatever its size. This
-function makes the same ATen calls in the same order as `Block.forward` on its decode path,
-with `Int4Linear` inlined, but TorchScript's interpreter runs them without Python in between:
-the same bits (tests/test_int4.py compares them), and less time a step (docs/performance.md).
+each call that is not a matmul costs a few microseconds of Python, whatever its size.
+`decode_rows` makes the same ATen calls in the same order as `Block.forward` on its decode
+path, with `Int4Linear` inlined, and `decode_stack` runs it for every layer, so a pass is one
+call from Python and TorchScript's interpreter runs the rest: the same bits (tests/test_int4.py
+compares them), and less time a step (docs/performance.md).
 
 It is taken only where it is exact by construction: decode-form passes (decode steps and
 speculative verifies) of at most the rows that take the 4-bit kernel, layers without Qwen3's
 q/k norms, every projection an `Int4Linear`.
 torch.jit is deprecated in favour of torch.compile, which fuses elementwise work and so changes
-bf16 rounding; if scripting fails, `compile_layer` returns None and the eager path runs.
+bf16 rounding; if scripting fails, `compile_stack` returns None and the eager path runs.
 
 Shapes as in decoder.py: D hidden, H query heads, G kv heads, E head dim, C context rows.
 """
@@ -70,12 +71,33 @@ def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tens
     return x + torch.ops.aten._weight_int4pack_mm_for_cpu(F.silu(gate) * up, dn_p, group, dn_sz)
 
 
-def compile_layer():
-    """The scripted `decode_rows`, or None where torch.jit cannot script it."""
+def decode_stack(x: Tensor, weights: List[Tensor], eps: float, group: int, Ks: Tensor, Vs: Tensor,
+                 slots: List[int], lengths: List[int], slot_index: Tensor, write_rows: Tensor, cos: Tensor,
+                 sin: Tensor, h: int, g: int, e: int, scale: float) -> Tensor:
+    """Every layer in turn: `decode_rows` per layer, one call from Python a pass. `weights`
+    holds 10 tensors a layer (`stack_weights`); Ks, Vs are the whole cache [L, S, G, C, E]."""
+    for i in range(len(weights) // 10):
+        w = weights[10 * i : 10 * i + 10]
+        x = decode_rows(x, w[0], w[1], eps, w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], group, Ks[i], Vs[i],
+                        slots, lengths, slot_index, write_rows, cos, sin, h, g, e, scale)
+    return x
+
+
+def stack_weights(layers) -> list[Tensor]:
+    """The tensors `decode_stack` reads, 10 a layer, in its order."""
+    out: list[Tensor] = []
+    for b in layers:
+        out += [b.input_norm.weight, b.post_norm.weight, b.wqkv.packed, b.wqkv.scale_zero, b.wo.packed,
+                b.wo.scale_zero, b.w_gate_up.packed, b.w_gate_up.scale_zero, b.w_down.packed, b.w_down.scale_zero]
+    return out
+
+
+def compile_stack():
+    """The scripted `decode_stack`, or None where torch.jit cannot script it."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit's own notice
-            return torch.jit.script(decode_rows)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return torch.jit.script(decode_stack)
     except Exception as exc:  # noqa: BLE001 -- an optional speed-up; the eager path is always there
-        log.warning("one-row decode layers run eager: torch.jit.script failed (%s)", exc)
+        log.warning("decode layers run eager: torch.jit.script failed (%s)", exc)
         return None
