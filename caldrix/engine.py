@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
+from caldrix.models import native
 from caldrix.models.decoder import Attend, Decoder, KVCache, load_decoder
 from caldrix.sampler import greedy_batch, pick
 
@@ -66,6 +67,9 @@ class Engine:
         self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (models/q4.py)
         self.can_verify = False  # set by check_verify(), which speculation runs once at start
         self.scripted_rows = False  # decode-form layers run as one TorchScript call (models/scripted.py)
+        # Decode-form attention through the compiled kernel (models/native.py), for every decode
+        # pass or none: its bits are not SDPA's, and a reply must not depend on the step.
+        self.native_attend = native.usable(self.dtype, model.cfg.head_dim, device)
         self.max_threads = torch.get_num_threads()
         self.passive_omp = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
         # Mirror of the token ids in each slot's KV rows: the repetition penalty reads it.
@@ -221,7 +225,7 @@ class Engine:
         slots = tuple(r.slot for r in runs for _ in r.token_ids) + (self.max_batch,) * pad  # padding rows: the scratch slot
         lengths = tuple(p + 1 for p in positions) + (0,) * pad
         pos = torch.tensor(positions + [0] * pad)
-        at = Attend("decode", slots, pos, pos, lengths, torch.tensor(slots))
+        at = Attend("decode", slots, pos, pos, lengths, torch.tensor(slots), self.native_attend)
         return self.model(torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad), at, self.kv)
 
 

@@ -58,6 +58,8 @@ class Runtime:
             weights += ", the lm_head as Q8_0 blocks"
         if getattr(self.engine, "scripted_rows", False):
             weights += "; decode layers scripted"
+        if getattr(self.engine, "native_attend", False):
+            weights += "; decode attention compiled"
         say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")
         lanes = "beside decode steps, one core each" if getattr(self.engine, "overlap_lanes", False) else "between decode steps"

@@ -14,6 +14,15 @@ from pathlib import Path
 import pytest
 
 
+def pytest_sessionstart(session):
+    """Build the decode attention kernel (caldrix/models/native.py) before any test runs: about
+    15 s the first time on a machine, nothing once cached. Without this, whichever test first
+    started a bfloat16 engine would see the build's progress line among its output."""
+    from caldrix.models import native
+
+    native.load()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as a float32 Hugging Face directory.

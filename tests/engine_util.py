@@ -44,6 +44,33 @@ def generate(engine, prompts: list[tuple[int, ...]], max_tokens: int, *, togethe
     return [trio.run(one_batch, [p], [sp])[0] for p, sp in zip(prompts, sampling)]
 
 
+def generate_in_turn(engine, prompts: list[tuple[int, ...]], max_tokens: int, *, chunk: int = 128
+                     ) -> list[tuple[list[int], int]]:
+    """Greedy replies through one scheduler, one prompt after another, so a later prompt can
+    reuse rows an earlier one left in its slot: (reply, prefix rows reused) for each."""
+
+    async def inline(fn, batch):
+        await trio.lowlevel.checkpoint()
+        return fn(batch)
+
+    async def main():
+        sched = Scheduler(engine, Policy(SlotTable(engine.max_batch), chunk=chunk, prefill_budget=chunk),
+                          run_step=inline)
+        tx, rx = trio.open_memory_channel(1)
+        out = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run, rx)
+            for i, ids in enumerate(prompts):
+                etx, erx = trio.open_memory_channel(max_tokens + 1)
+                await tx.send(Submission(f"t{i}", ids, max_tokens, SamplingParams(), frozenset(), etx))
+                events = [e async for e in erx]
+                out.append(([e.token_id for e in events if e.token_id is not None], events[-1].prefix_rows))
+            await tx.aclose()
+        return out
+
+    return trio.run(main)
+
+
 def hf_greedy(model, ids: tuple[int, ...], n: int) -> list[int]:
     """Plain greedy decoding with the transformers model: arg-max n times, no logits processors
     (generate() would suppress EOS under min_new_tokens)."""

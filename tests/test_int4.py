@@ -9,7 +9,7 @@ from caldrix.engine import Engine
 from caldrix.models import q4
 from caldrix.models.decoder import Attend, KVCache, load_decoder
 from caldrix.models.gguf import source_gguf
-from engine_util import generate
+from engine_util import generate, generate_in_turn
 
 pytestmark = pytest.mark.skipif(not q4.available(), reason="this torch has no int4 CPU matmul")
 
@@ -71,6 +71,21 @@ def test_4bit_batch_invariance(smollm2_dir, gguf_file):
     alone = generate(engine, prompts, 24, together=False)
     together = generate(engine, prompts, 24, together=True)
     assert alone == together
+
+
+def test_a_repeated_prompt_gets_the_same_reply_from_its_held_rows(smollm2_dir, gguf_file):
+    """The second time, the slot still holds the prompt's rows and only its last token is
+    recomputed (SlotTable's reuse). The first time runs that token alone too (Policy._chunk),
+    so both compute it in the decode form and the replies match. Before that rule the first
+    computed it inside the prompt's chunk, and this prompt's 48-token reply changed."""
+    import random
+
+    rng = random.Random(6)
+    prompt = tuple(rng.randrange(1000, 30000) for _ in range(20))
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=128, int4_from=gguf_file)
+    (first, reused0), (again, reused1) = generate_in_turn(engine, [prompt, prompt], 48)
+    assert (reused0, reused1) == (0, 19)
+    assert again == first
 
 
 @pytest.mark.parametrize("weights", ["4-bit", "dense"])

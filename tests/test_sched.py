@@ -53,7 +53,8 @@ def test_chunked_prefill_cuts_at_aligned_boundaries():
         (run,) = work.batch.runs
         starts.append((run.start, len(run.token_ids), run.pick_at))
         policy.postprocess(work, StepOutput((RunOutput((5,) if run.pick_at else ()),)))
-    assert starts == [(0, 4, ()), (4, 4, ()), (8, 2, (1,))]
+    # aligned chunks up to the last token, which runs alone (the decode form; see _chunk)
+    assert starts == [(0, 4, ()), (4, 4, ()), (8, 1, ()), (9, 1, (0,))]
     assert seq.output == [5]
 
 
@@ -61,15 +62,16 @@ def test_decode_and_prefill_are_separate_work():
     policy = Policy(SlotTable(3), chunk=4, prefill_budget=6)
     a, _ = make_sub([1, 3])
     b, _ = make_sub(range(10, 22))
-    c, _ = make_sub(range(30, 33))
+    c, _ = make_sub(range(30, 34))
     sa, sb, sc = Sequence(a), Sequence(b), Sequence(c)
     policy.admit(sa)
-    work = policy.schedule_prefill()
-    policy.postprocess(work, StepOutput((RunOutput((7,)),)))
+    for picked in ((), (7,)):  # a's first token, then its last, alone
+        work = policy.schedule_prefill()
+        policy.postprocess(work, StepOutput((RunOutput(picked),)))
     assert policy.schedule_prefill() is None
     policy.admit(sb)
     policy.admit(sc)
-    # a decodes one token; b gets one chunk, and c's 3 tokens do not fit the budget's rest
+    # a decodes one token; b gets one chunk, and c's first 3 tokens do not fit the budget's rest
     decode, prefill = policy.schedule_decode(), policy.schedule_prefill()
     assert [(r.slot, r.token_ids) for r in decode.batch.runs] == [(sa.slot, (7,))]
     assert [(r.slot, len(r.token_ids)) for r in prefill.batch.runs] == [(sb.slot, 4)]
@@ -86,9 +88,9 @@ def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
     sub, _ = make_sub([5, 6, 7, 8], max_tokens=2)
     seq = Sequence(sub)
     policy.admit(seq)
-    for token in (40, 41):
+    for token in ((), (40,), (41,)):  # the prompt but its last token, that token, one decode step
         work = policy.schedule_prefill() or policy.schedule_decode()
-        policy.postprocess(work, StepOutput((RunOutput((token,)),)))
+        policy.postprocess(work, StepOutput((RunOutput(token),)))
     assert seq.finish is FinishReason.LENGTH
     assert slots.held[seq.slot] == (5, 6, 7, 8, 40)  # the last token has no KV row yet
     again, _ = make_sub([5, 6, 7, 8, 40, 9, 9])
@@ -96,7 +98,7 @@ def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
     policy.admit(s2)
     assert (s2.slot, s2.prefix_rows) == (seq.slot, 5)
     (run,) = policy.schedule_prefill().batch.runs
-    assert run.start == 5 and run.token_ids == (9, 9)
+    assert run.start == 5 and run.token_ids == (9,)
     # an identical prompt still recomputes its last token, whose logits pick the reply
     same, _ = make_sub([5, 6, 7])
     s3 = Sequence(same)
@@ -235,7 +237,8 @@ def test_a_prompt_chunk_runs_beside_decode_steps_on_one_core_each():
             assert [e.token_id for e in [e async for e in b_rx]] == [20, 21]
             await tx.aclose()
         beside = [bt for bt in engine.batches if bt.threads == 1]
-        assert {len(r.token_ids) for bt in beside for r in bt.runs} == {1, 4, 2}  # decode and b's chunks
+        # decode steps, and b's chunks: 4, 4, 1, then its last token alone
+        assert sorted(len(r.token_ids) for bt in beside for r in bt.runs if r.slot == 1) == [1, 1, 4, 4]
         assert engine.batches[0].threads == 0  # a's prompt ran alone: every core
 
     trio.run(main)

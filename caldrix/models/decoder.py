@@ -109,6 +109,9 @@ class Attend:
     write_rows: torch.Tensor  # [T] int64: KV row each token is written to
     lengths: tuple[int, ...] = ()  # decode only
     slot_index: torch.Tensor | None = None  # decode only: torch.tensor(slots), built once per pass
+    # decode only: attend with the compiled caldrix::decode_attend (models/native.py). The
+    # engine sets it for all its decode passes or none, since its bits are not SDPA's.
+    native: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -182,6 +185,8 @@ class Block(nn.Module):
         T, h, e = q.shape
         K, V = kv.k[self.index], kv.v[self.index]  # [S, G, C+1, E]
         scale = 1.0 / math.sqrt(e)
+        if at.kind == "decode" and at.native:
+            return torch.ops.caldrix.decode_attend(q, k, v, K, V, list(at.slots), list(at.lengths), scale)
         if at.kind == "decode" and T == 1 and at.lengths[0]:
             # One row (single-stream decode): the general form below with its list and cat
             # taken out, about 8 us a layer; the same call on the same rows.
@@ -248,7 +253,8 @@ class Decoder(nn.Module):
             cfg = self.cfg
             return self.stack_fn(x, self.stack_weights, cfg.rms_norm_eps, self.layers[0].wqkv.group, kv.k, kv.v,
                                  list(at.slots), list(at.lengths), at.slot_index, at.write_rows, cos, sin,
-                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim))
+                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim),
+                                 at.native)
         for layer in self.layers:
             x = layer(x, cos, sin, at, kv)
         return x

@@ -32,7 +32,7 @@ log = logging.getLogger("caldrix.engine")
 def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tensor, qkv_sz: Tensor, wo_p: Tensor,
                 wo_sz: Tensor, gu_p: Tensor, gu_sz: Tensor, dn_p: Tensor, dn_sz: Tensor, group: int, K: Tensor,
                 V: Tensor, slots: List[int], lengths: List[int], slot_index: Tensor, write_rows: Tensor,
-                cos: Tensor, sin: Tensor, h: int, g: int, e: int, scale: float) -> Tensor:
+                cos: Tensor, sin: Tensor, h: int, g: int, e: int, scale: float, native: bool) -> Tensor:
     """One layer for T decode rows: x [T, D] -> [T, D]. Row i belongs to slots[i] at position
     lengths[i] - 1 (a verify run's rows share a slot). Writes each row's key and value into
     K, V [S, G, C, E] (this layer's cache) at (slot_index[i], write_rows[i]), then attends
@@ -45,7 +45,9 @@ def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tens
     v = v.view(T, g, e)
     qk = qk * cos + qk.roll(e // 2, dims=-1) * sin  # decoder.apply_rope
     q, k = qk[:, :h], qk[:, h:]
-    if T == 1 and lengths[0] > 0:
+    if native:
+        att = torch.ops.caldrix.decode_attend(q, k, v, K, V, slots, lengths, scale)
+    elif T == 1 and lengths[0] > 0:
         s, n = slots[0], lengths[0]
         K[s, :, n - 1] = k[0]
         V[s, :, n - 1] = v[0]
@@ -73,13 +75,13 @@ def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tens
 
 def decode_stack(x: Tensor, weights: List[Tensor], eps: float, group: int, Ks: Tensor, Vs: Tensor,
                  slots: List[int], lengths: List[int], slot_index: Tensor, write_rows: Tensor, cos: Tensor,
-                 sin: Tensor, h: int, g: int, e: int, scale: float) -> Tensor:
+                 sin: Tensor, h: int, g: int, e: int, scale: float, native: bool) -> Tensor:
     """Every layer in turn: `decode_rows` per layer, one call from Python a pass. `weights`
     holds 10 tensors a layer (`stack_weights`); Ks, Vs are the whole cache [L, S, G, C, E]."""
     for i in range(len(weights) // 10):
         w = weights[10 * i : 10 * i + 10]
         x = decode_rows(x, w[0], w[1], eps, w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], group, Ks[i], Vs[i],
-                        slots, lengths, slot_index, write_rows, cos, sin, h, g, e, scale)
+                        slots, lengths, slot_index, write_rows, cos, sin, h, g, e, scale, native)
     return x
 
 
@@ -94,6 +96,9 @@ def stack_weights(layers) -> list[Tensor]:
 
 def compile_stack():
     """The scripted `decode_stack`, or None where torch.jit cannot script it."""
+    from caldrix.models import native
+
+    native.load()  # caldrix::decode_attend must exist, compiled or not, for the script to name it
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)

@@ -3,8 +3,9 @@
 Work comes in two kinds, one per lane of the loop (loop.py):
 - decode: every running sequence that has finished its prompt decodes one token;
 - prefill: prefilling sequences get prompt chunks within a per-step token budget.
-A chunk always ends on a multiple of `chunk` positions (or at the prompt's end), so a prompt is
-cut the same way whether it runs alone or beside others.
+A chunk always ends on a multiple of `chunk` positions or before the prompt's last token, which
+runs alone last, so a prompt is cut the same way whether it runs alone, beside others, or after
+a slot's held rows.
 
 Invariant: when `has_running()` is true, `schedule_decode()` or `schedule_prefill()` returns a
 Work, because every running sequence is either decoding or prefilling. The loop must not ask
@@ -122,7 +123,11 @@ class Policy:
     def _chunk(self, seq: Sequence, budget: int, *, first: bool) -> Run | None:
         prompt = seq.prompt
         start = seq.num_computed
-        end = min(len(prompt), (start // self.chunk + 1) * self.chunk)
+        # The prompt's last token always runs alone, after the chunks: a one-token run, which
+        # the engine computes in the decode form. A prompt whose other rows a slot still held
+        # (SlotTable's reuse) recomputes only that token, so it gets the same bits, and the
+        # same reply, as the prompt run fresh.
+        end = len(prompt) if start == len(prompt) - 1 else min(len(prompt) - 1, (start // self.chunk + 1) * self.chunk)
         if end - start > budget and not first:
             return None
         last = end == len(prompt)

@@ -1,0 +1,204 @@
+// caldrix::decode_attend: attention for decode-form rows over a bfloat16 KV cache.
+//
+// Each row i is one query token of slot slots[i] at position lengths[i] - 1. The call writes the
+// row's key and value into the cache at that position, then attends the row over its slot's
+// keys 0..lengths[i]-1. A row of length 0 is padding: nothing is written and its output is 0.
+//
+// Why a kernel of our own: torch's scaled_dot_product_attention costs about 40-60 us a call
+// for one query row on this project's 2-core machine, nearly all of it fixed overhead, and a
+// decode step makes one call per row per layer (240 at 8 rows for SmolLM2). This file does the
+// same work in a few microseconds a row.
+//
+// Exactness contract, relied on by the batch-invariance and speculation tests:
+// - a row's result depends only on its query, its slot's keys and values, and its length:
+//   never on the other rows of the call, their count, or the thread count (a (row, kv head)
+//   pair is one task, computed whole by one thread, in a fixed order);
+// - all sums run in float32 in a fixed order (dot products in 16 lanes, then a fixed pairwise
+//   lane sum; the softmax and the weighted sum of values key by key).
+// The results are not bit-equal to torch's SDPA (they agree to bfloat16 rounding), so every
+// decode-form pass of an engine uses this kernel or none does (caldrix/models/native.py).
+//
+// Shapes: q [T, H, E], k and v [T, G, E] (any row and head strides, unit stride in E);
+// K, V [S, G, C, E] contiguous (one layer's cache); out [T, H * E]. E is 64 or 128.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+constexpr int MAX_GROUP = 8;  // query heads per kv head
+
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+
+// LANES bf16 values to float32, exactly: a bf16's bits are the high half of a float32's.
+inline vf load_bf16(const c10::BFloat16* x) {
+  vh h;
+  std::memcpy(&h, x, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The lanes' sum in a fixed pairwise order (lane l with l + w, for w = 8, 4, 2, 1).
+inline float hsum(vf a) {
+  a += __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  a += __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return a[0];
+}
+
+// e^x for x <= 0 (a score minus its row's max), to about 1 float32 ulp: Cody-Waite range
+// reduction and Cephes' polynomial, in plain float arithmetic so the loop around it vectorizes
+// (std::exp would be a scalar call per key).
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// The `group` query heads of one row that share one kv head, over n cached keys. q: the first
+// of them (heads q_stride apart); Kb, Vb: the kv head's rows [C, E]; o: the heads' outputs,
+// group * E contiguous; p: scratch. E = CH * LANES is a compile-time constant, so loops unroll.
+template <int CH>
+void attend_group(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* Kb, const c10::BFloat16* Vb,
+                  int64_t n, int64_t group, float scale, c10::BFloat16* o, std::vector<float>& p) {
+  constexpr int64_t E = CH * LANES;
+  vf qv[MAX_GROUP][CH];
+  for (int64_t a = 0; a < group; ++a)
+    for (int c = 0; c < CH; ++c) qv[a][c] = load_bf16(q + a * q_stride + c * LANES);
+  p.resize(group * n);  // p[a * n + j]: head a's score for key j, then its weight
+  for (int64_t j = 0; j < n; ++j) {
+    vf kc[CH];  // key j, converted once for all the group's heads
+    for (int c = 0; c < CH; ++c) kc[c] = load_bf16(Kb + j * E + c * LANES);
+    for (int64_t a = 0; a < group; ++a) {
+      vf acc = qv[a][0] * kc[0];
+      for (int c = 1; c < CH; ++c) acc += qv[a][c] * kc[c];
+      p[a * n + j] = hsum(acc) * scale;
+    }
+  }
+  float inv[MAX_GROUP];
+  for (int64_t a = 0; a < group; ++a) {
+    float* pa = p.data() + a * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = pa[j] > mx ? pa[j] : mx;
+    for (int64_t j = 0; j < n; ++j) pa[j] = exp_nonpos(pa[j] - mx);
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += pa[j];
+    inv[a] = 1.0f / sum;
+  }
+  vf acc[MAX_GROUP][CH] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    vf vc[CH];  // value j, converted once for all the group's heads
+    for (int c = 0; c < CH; ++c) vc[c] = load_bf16(Vb + j * E + c * LANES);
+    for (int64_t a = 0; a < group; ++a) {
+      const float w = p[a * n + j];
+      for (int c = 0; c < CH; ++c) acc[a][c] += w * vc[c];
+    }
+  }
+  for (int64_t a = 0; a < group; ++a)
+    for (int c = 0; c < CH; ++c)
+      for (int l = 0; l < LANES; ++l) o[a * E + c * LANES + l] = c10::BFloat16(acc[a][c][l] * inv[a]);
+}
+
+template <int CH>
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& K, at::Tensor& V,
+                       c10::IntArrayRef slots, c10::IntArrayRef lengths, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), E = q.size(2), G = k.size(1), S = K.size(0), C = K.size(2);
+  auto out = at::empty({T, H * E}, q.options());
+  auto* Kp = K.data_ptr<c10::BFloat16>();
+  auto* Vp = V.data_ptr<c10::BFloat16>();
+  const auto* kp = k.data_ptr<c10::BFloat16>();
+  const auto* vp = v.data_ptr<c10::BFloat16>();
+  int64_t work = 0;
+  for (int64_t i = 0; i < T; ++i) {  // every write before any read, as the torch path does
+    const int64_t s = slots[i], n = lengths[i];
+    TORCH_CHECK(n >= 0 && n <= C && s >= 0 && s < S, "decode_attend: row ", i, " is slot ", s, " length ", n,
+                " in a cache of ", S, " slots of ", C, " rows");
+    work += n;
+    if (n == 0) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      std::memcpy(Kp + ((s * G + g) * C + n - 1) * E, kp + i * k.stride(0) + g * k.stride(1), E * sizeof(c10::BFloat16));
+      std::memcpy(Vp + ((s * G + g) * C + n - 1) * E, vp + i * v.stride(0) + g * v.stride(1), E * sizeof(c10::BFloat16));
+    }
+  }
+  const int64_t group = H / G;
+  const float sc = static_cast<float>(scale);
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  // Threads only where the work is long (long contexts); short steps run inline, since waking
+  // a second thread costs more than a few microseconds of work. Either way one task is one
+  // (row, kv head) pair, so the split never changes a result.
+  const int64_t grain = work * H * E >= (int64_t{1} << 21) ? 1 : T * G;
+  at::parallel_for(0, T * G, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / G, g = t % G, n = lengths[i];
+      c10::BFloat16* o = op + i * H * E + g * group * E;
+      if (n == 0) {
+        std::fill(o, o + group * E, c10::BFloat16(0.0f));
+        continue;
+      }
+      const int64_t base = (slots[i] * G + g) * C * E;
+      attend_group<CH>(qp + i * q.stride(0) + g * group * q.stride(1), q.stride(1), Kp + base, Vp + base, n, group,
+                       sc, o, p);
+    }
+  });
+  return out;
+}
+
+at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& K, at::Tensor& V,
+                         c10::IntArrayRef slots, c10::IntArrayRef lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && K.dim() == 4 && V.dim() == 4,
+              "decode_attend: q, k, v are [T, heads, E], K and V [S, G, C, E]");
+  const at::Tensor* all[] = {&q, &k, &v, &K, &V};
+  for (const at::Tensor* t : all)
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu(), "decode_attend: bfloat16 CPU tensors only");
+  TORCH_CHECK(K.is_contiguous() && V.is_contiguous() && K.sizes() == V.sizes(), "decode_attend: K and V contiguous, alike");
+  const int64_t T = q.size(0), E = q.size(2), G = k.size(1);
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == G && k.size(2) == E && v.size(2) == E &&
+                  K.size(1) == G && K.size(3) == E,
+              "decode_attend: shapes disagree");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "decode_attend: unit stride along E");
+  TORCH_CHECK(q.size(1) % G == 0 && q.size(1) / G <= MAX_GROUP, "decode_attend: at most 8 query heads a kv head");
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == T && static_cast<int64_t>(lengths.size()) == T,
+              "decode_attend: one slot and one length a row");
+  switch (E) {
+    case 64: return attend_rows<4>(q, k, v, K, V, slots, lengths, scale);
+    case 128: return attend_rows<8>(q, k, v, K, V, slots, lengths, scale);
+    default: TORCH_CHECK(false, "decode_attend: head dim ", E, " is not 64 or 128");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(caldrix, m) {
+  m.def("decode_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) K, Tensor(b!) V, int[] slots, int[] lengths, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(caldrix, CPU, m) { m.impl("decode_attend", decode_attend); }

@@ -1,0 +1,144 @@
+"""The decode attention kernel (attend.cpp), compiled on first use and cached.
+
+`load()` makes `torch.ops.caldrix.decode_attend` exist in this process and says whether it is
+the compiled kernel. Where it cannot be compiled (no C++ compiler, a failed build, or
+CALDRIX_NATIVE=0), it falls back to a torch definition of the same op with the same contract,
+one scaled_dot_product_attention call a row, so callers, TorchScript included, have one name
+to call either way. Which one runs is decided once a process: an engine's decode passes all
+use one of them, so a reply never depends on which was picked for which step.
+
+The build is a single g++ call against torch's headers, about 15 s on 2 cores, once per
+machine, torch version and source: the shared object lives under the caldrix cache
+(kernels/<key>/), keyed by all three, since -march=native code must not move to another CPU.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("caldrix.engine")
+
+SOURCE = Path(__file__).with_name("attend.cpp")
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
+
+_lock = threading.Lock()
+_state: str | None = None  # "native" | "torch", once decided
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _key(cxx: str) -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(torch.version.git_version).encode(),
+                 cxx.encode(), " ".join(FLAGS).encode(), _cpu_fingerprint().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _build(cxx: str, out: Path) -> None:
+    """Compile attend.cpp into `out`, atomically: a concurrent process waits on the lock file
+    and then finds the finished object."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return
+        print("caldrix: compiling the decode attention kernel (once per machine and torch version, about 15 s)",
+              file=sys.stderr, flush=True)
+        libs = library_paths()
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cxx, *FLAGS, str(SOURCE), "-o", tmp, *(f"-I{p}" for p in include_paths()),
+               *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cxx} exited {r.returncode}: {r.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _define_torch_fallback() -> None:
+    lib = torch.library.Library("caldrix", "DEF")
+    lib.define("decode_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) K, Tensor(b!) V, int[] slots, int[] lengths, "
+               "float scale) -> Tensor")
+    lib.impl("decode_attend", torch_decode_attend, "CPU")
+    _define_torch_fallback.lib = lib  # keep the registration alive
+
+
+def torch_decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
+                        slots: List[int], lengths: List[int], scale: float) -> torch.Tensor:
+    """The op in torch: q [T, H, E], k, v [T, G, E], K, V [S, G, C, E] -> [T, H * E]."""
+    T, h, e = q.shape
+    for i, (s, n) in enumerate(zip(slots, lengths)):
+        if n:
+            K[s, :, n - 1], V[s, :, n - 1] = k[i], v[i]
+    qs = q.unsqueeze(2)
+    zero = q.new_zeros(1, h, 1, e)
+    out = [F.scaled_dot_product_attention(qs[i : i + 1], K[s : s + 1, :, :n], V[s : s + 1, :, :n], scale=scale,
+                                          enable_gqa=True) if n else zero
+           for i, (s, n) in enumerate(zip(slots, lengths))]
+    return torch.cat(out).reshape(T, h * e)
+
+
+def load() -> bool:
+    """Register caldrix::decode_attend in this process, once; whether it is the compiled kernel.
+    Blocks while compiling (first use on a machine) or while another process compiles."""
+    global _state
+    with _lock:
+        if _state is None:
+            _state = "torch"
+            cxx = _compiler()
+            if os.environ.get("CALDRIX_NATIVE", "1") == "0":
+                log.info("decode attention: torch (CALDRIX_NATIVE=0)")
+            elif cxx is None:
+                log.warning("decode attention: torch; no C++ compiler found (set CXX) for the faster kernel")
+            else:
+                from caldrix.models.gguf import cache_root
+
+                out = cache_root() / "kernels" / _key(cxx) / "attend.so"
+                try:
+                    if not out.exists():
+                        _build(cxx, out)
+                    torch.ops.load_library(str(out))
+                    _state = "native"
+                except Exception as exc:  # noqa: BLE001 -- the torch definition below always works
+                    log.warning("decode attention: torch; the kernel did not build or load (%s)", exc)
+            if _state == "torch":
+                _define_torch_fallback()
+        return _state == "native"
+
+
+def usable(dtype: torch.dtype, head_dim: int, device) -> bool:
+    """Whether the compiled kernel serves an engine of this dtype, head dim and device."""
+    return dtype is torch.bfloat16 and head_dim in (64, 128) and torch.device(device).type == "cpu" and load()

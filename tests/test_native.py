@@ -1,0 +1,109 @@
+"""The compiled decode attention kernel (caldrix/models/attend.cpp) against torch's SDPA, and
+the exactness contract the engine relies on: a row's result never depends on its batch mates,
+their count or the thread count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from caldrix.models import native
+
+H, G = 9, 3  # SmolLM2's query and kv heads
+
+
+@pytest.fixture(scope="module")
+def op():
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert native.load(), "a C++ compiler is here, so the kernel must build and load"
+    return torch.ops.caldrix.decode_attend
+
+
+def make(T, e=64, h=H, g=G, slots=8, rows=1100, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    K = torch.randn(slots, g, rows, e, generator=gen).bfloat16()
+    V = torch.randn(slots, g, rows, e, generator=gen).bfloat16()
+    # q, k, v as the model makes them: views into one fused projection row
+    qkv = (3 * torch.randn(T, (h + 2 * g) * e, generator=gen)).bfloat16()
+    qk, v = qkv.split([(h + g) * e, g * e], dim=-1)
+    qk, v = qk.view(T, h + g, e), v.view(T, g, e)
+    return qk[:, :h], qk[:, h:], v, K, V
+
+
+@pytest.mark.parametrize("e,h,g", [(64, 9, 3), (128, 16, 8), (64, 4, 4)])
+def test_kernel_agrees_with_sdpa_and_writes_the_same_cache(op, e, h, g):
+    q, k, v, K, V = make(6, e, h, g)
+    slots, lengths = [0, 3, 5, 2, 7, 1], [1, 37, 200, 0, 1024, 5]  # a padding row among them
+    K2, V2 = K.clone(), V.clone()
+    want = native.torch_decode_attend(q, k, v, K2, V2, slots, lengths, e ** -0.5)
+    got = op(q, k, v, K, V, slots, lengths, e ** -0.5)
+    assert torch.equal(K, K2) and torch.equal(V, V2)
+    assert got.shape == (6, h * e) and got.dtype == torch.bfloat16
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    # the two differ only in float rounding: bf16 outputs within a few bf16 ulps of |out| ~ 1
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert (got.float() - want.float()).abs().mean() < 2e-3
+
+
+def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(op):
+    q, k, v, K, V = make(8)
+    slots, lengths = list(range(8)), [50, 80, 1000, 60, 200, 1050, 70, 150]  # long enough to split across threads
+    saved = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(op(q, k, v, K.clone(), V.clone(), slots, lengths, 0.125))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0], outs[1])
+    for i in (0, 2, 7):
+        alone = op(q[i : i + 1], k[i : i + 1], v[i : i + 1], K.clone(), V.clone(), [slots[i]], [lengths[i]], 0.125)
+        assert torch.equal(alone[0], outs[0][i])
+
+
+def test_verify_rows_of_one_slot_equal_one_row_calls_in_turn(op):
+    # A speculative verify: four rows of slot 2 at consecutive positions, each attending over
+    # the keys its predecessors in the same call wrote.
+    q, k, v, K, V = make(4)
+    K1, V1 = K.clone(), V.clone()
+    one = torch.cat([op(q[i : i + 1], k[i : i + 1], v[i : i + 1], K1, V1, [2], [41 + i], 0.125) for i in range(4)])
+    many = op(q, k, v, K, V, [2] * 4, [41, 42, 43, 44], 0.125)
+    assert torch.equal(one, many) and torch.equal(K, K1) and torch.equal(V, V1)
+
+
+def test_bad_calls_are_errors_that_name_the_problem(op):
+    q, k, v, K, V = make(2)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(q.float(), k, v, K, V, [0, 1], [3, 3], 0.125)
+    with pytest.raises(RuntimeError, match="row 1 is slot 1 length 5000"):
+        op(q, k, v, K, V, [0, 1], [3, 5000], 0.125)
+    with pytest.raises(RuntimeError, match="one slot and one length a row"):
+        op(q, k, v, K, V, [0], [3], 0.125)
+
+
+def test_without_the_kernel_the_op_is_the_torch_definition(tmp_path):
+    # CALDRIX_NATIVE=0 (or no compiler) still registers caldrix::decode_attend, as the torch
+    # definition, so the eager and scripted layers have one name to call.
+    code = (
+        "import torch\n"
+        "from caldrix.models import native\n"
+        "assert native.load() is False\n"
+        "q = torch.randn(2, 9, 64).bfloat16(); k = torch.randn(2, 3, 64).bfloat16(); v = k.clone()\n"
+        "K = torch.zeros(2, 3, 16, 64).bfloat16(); V = K.clone()\n"
+        "K2, V2 = K.clone(), V.clone()\n"
+        "got = torch.ops.caldrix.decode_attend(q, k, v, K, V, [0, 1], [4, 0], 0.125)\n"
+        "want = native.torch_decode_attend(q, k, v, K2, V2, [0, 1], [4, 0], 0.125)\n"
+        "assert torch.equal(got, want) and torch.equal(K, K2)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "CALDRIX_NATIVE": "0", "CALDRIX_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+    assert not (tmp_path / "kernels").exists()  # nothing was compiled
