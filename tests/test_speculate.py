@@ -210,8 +210,8 @@ def test_wrong_guesses_are_rewritten_in_place():
     sub, _ = Submission("r", (1, 2, 3, 1, 2), 10, SamplingParams(), frozenset(), trio.open_memory_channel(11)[0]), None
     seq = Sequence(sub)
     policy.admit(seq)
-    work = policy.schedule_prefill()
-    policy.postprocess(work, StepOutput((RunOutput((3,)),)))  # reply so far: 3
+    for picked in ((), (3,)):  # the prompt but its last token, then that token alone: reply so far 3
+        policy.postprocess(policy.schedule_prefill(), StepOutput((RunOutput(picked),)))
     work = policy.schedule_decode()
     (run,) = work.batch.runs
     assert run.verify and run.token_ids == (3, 1, 2) and run.start == 5  # "2 3" was followed by "1 2"
