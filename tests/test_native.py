@@ -1,6 +1,6 @@
-"""The compiled decode attention kernel (caldrix/models/attend.cpp) against torch's SDPA, and
-the exactness contract the engine relies on: a row's result never depends on its batch mates,
-their count or the thread count."""
+"""The compiled decode kernels (caldrix/models/attend.cpp) against torch (SDPA, decoder.py's RoPE
+and RMSNorm), and the exactness contract the engine relies on: a row's result never depends on
+its batch mates, their count or the thread count."""
 
 from __future__ import annotations
 
@@ -77,6 +77,47 @@ def test_verify_rows_of_one_slot_equal_one_row_calls_in_turn(op):
     assert torch.equal(one, many) and torch.equal(K, K1) and torch.equal(V, V1)
 
 
+def rope_inputs(T, e, h, g, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (3 * torch.randn(T, (h + 2 * g) * e, generator=gen)).bfloat16()
+    angle = torch.arange(T).unsqueeze(1) * torch.rand(e, generator=gen) * 50  # positions far apart
+    return qkv, angle.cos().bfloat16().unsqueeze(1), angle.sin().bfloat16().unsqueeze(1)  # [T, 1, E]
+
+
+@pytest.mark.parametrize("e,h,g", [(64, 9, 3), (128, 16, 8)])
+def test_rope_attend_is_split_rope_and_attend_bit_for_bit(op, e, h, g):
+    # The fused op's RoPE rounds as torch's bf16 elementwise ops round, so it is the torch
+    # path exactly: the same cache writes, the same outputs.
+    qkv, cos, sin = rope_inputs(5, e, h, g)
+    _, _, _, K, V = make(1, e, h, g)
+    K2, V2 = K.clone(), V.clone()
+    slots, lengths = [0, 3, 5, 2, 7], [1, 37, 200, 0, 1024]
+    want = native.torch_decode_rope_attend(qkv, cos, sin, K2, V2, slots, lengths, h, e ** -0.5)
+    got = torch.ops.caldrix.decode_rope_attend(qkv, cos, sin, K, V, slots, lengths, h, e ** -0.5)
+    assert torch.equal(got, want) and torch.equal(K, K2) and torch.equal(V, V2)
+    with pytest.raises(RuntimeError, match="columns, not"):
+        torch.ops.caldrix.decode_rope_attend(qkv, cos, sin, K, V, slots, lengths, h + 1, e ** -0.5)
+
+
+def test_norm_follows_torch_and_a_row_depends_on_itself_alone(op):
+    gen = torch.Generator().manual_seed(2)
+    x = (4 * torch.randn(16, 576, generator=gen)).bfloat16()
+    w = torch.randn(576, generator=gen).bfloat16()
+    got = torch.ops.caldrix.decode_norm(x, w, 1e-5)
+    want = native.torch_decode_norm(x, w, 1e-5)
+    # only the order of the float sum of squares differs: at most a bf16 ulp here and there
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(torch.ops.caldrix.decode_norm(x[5:6], w, 1e-5)[0], got[5])
+    finally:
+        torch.set_num_threads(saved)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.caldrix.decode_norm(x.float(), w, 1e-5)
+
+
 def test_bad_calls_are_errors_that_name_the_problem(op):
     q, k, v, K, V = make(2)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -100,6 +141,8 @@ def test_without_the_kernel_the_op_is_the_torch_definition(tmp_path):
         "got = torch.ops.caldrix.decode_attend(q, k, v, K, V, [0, 1], [4, 0], 0.125)\n"
         "want = native.torch_decode_attend(q, k, v, K2, V2, [0, 1], [4, 0], 0.125)\n"
         "assert torch.equal(got, want) and torch.equal(K, K2)\n"
+        "x = torch.randn(2, 64).bfloat16(); w = torch.randn(64).bfloat16()\n"
+        "assert torch.equal(torch.ops.caldrix.decode_norm(x, w, 1e-5), native.torch_decode_norm(x, w, 1e-5))\n"
         "print('ok')\n"
     )
     env = {**os.environ, "CALDRIX_NATIVE": "0", "CALDRIX_CACHE": str(tmp_path)}

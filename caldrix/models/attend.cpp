@@ -1,4 +1,7 @@
-// caldrix::decode_attend: attention for decode-form rows over a bfloat16 KV cache.
+// caldrix::decode_attend: attention for decode-form rows over a bfloat16 KV cache; and two ops
+// that take the rest of a decode layer's small work into C++ (at the end of the file):
+// decode_rope_attend (RoPE on the fused projection's q and k, then decode_attend) and
+// decode_norm (RMSNorm).
 //
 // Each row i is one query token of slot slots[i] at position lengths[i] - 1. The call writes the
 // row's key and value into the cache at that position, then attends the row over its slot's
@@ -194,11 +197,99 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
 }
 
+
+// RoPE as decoder.apply_rope computes it in bfloat16, out = x * cos + roll(x, E/2) * sin: each
+// product and the sum rounded to bfloat16 as torch's elementwise ops round them (float math,
+// round to nearest even), so the rotated heads are torch's bit for bit.
+// qkv [T, (H+2G)E] contiguous; cos, sin [T, 1, E] or [T, E] contiguous; returns [T, H+G, E].
+at::Tensor rope_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t E) {
+  const int64_t T = qkv.size(0), width = qkv.size(1), half = E / 2;
+  auto out = at::empty({T, heads, E}, qkv.options());
+  const auto* x = qkv.data_ptr<c10::BFloat16>();
+  const auto* c = cos.data_ptr<c10::BFloat16>();
+  const auto* sn = sin.data_ptr<c10::BFloat16>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < T; ++i) {
+    const c10::BFloat16* ci = c + i * E;
+    const c10::BFloat16* si = sn + i * E;
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      const c10::BFloat16* xh = x + i * width + hd * E;
+      c10::BFloat16* oh = o + (i * heads + hd) * E;
+      for (int64_t j = 0; j < E; ++j) {  // roll by E/2: element j meets element j +- E/2
+        const int64_t r = j < half ? j + half : j - half;
+        const c10::BFloat16 a(static_cast<float>(xh[j]) * static_cast<float>(ci[j]));
+        const c10::BFloat16 b(static_cast<float>(xh[r]) * static_cast<float>(si[j]));
+        oh[j] = c10::BFloat16(static_cast<float>(a) + static_cast<float>(b));
+      }
+    }
+  }
+  return out;
+}
+
+// decode_attend on the fused projection's output, with the RoPE above applied to its q and k
+// heads first: the same bits as split, apply_rope and decode_attend, in one call a layer.
+at::Tensor decode_rope_attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& K,
+                              at::Tensor& V, c10::IntArrayRef slots, c10::IntArrayRef lengths, int64_t heads,
+                              double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16 && qkv.device().is_cpu(),
+              "decode_rope_attend: qkv is a contiguous bfloat16 CPU [T, (H+2G)E]");
+  TORCH_CHECK(K.dim() == 4, "decode_rope_attend: K and V are [S, G, C, E]");
+  const int64_t T = qkv.size(0), G = K.size(1), E = K.size(3);
+  TORCH_CHECK(heads > 0 && qkv.size(1) == (heads + 2 * G) * E, "decode_rope_attend: qkv has ", qkv.size(1),
+              " columns, not (", heads, " + 2 * ", G, ") * ", E);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * E,
+                "decode_rope_attend: cos and sin are contiguous bfloat16 [T, 1, E]");
+  at::Tensor qk = rope_rows(qkv, cos, sin, heads + G, E);
+  at::Tensor v = qkv.narrow(1, (heads + G) * E, G * E).view({T, G, E});
+  return decode_attend(qk.narrow(1, 0, heads), qk.narrow(1, heads, G), v, K, V, slots, lengths, scale);
+}
+
+// RMSNorm for decode-form rows: w * bf16(x * rsqrt(mean(x^2) + eps)), the statistics in float32
+// as decoder.RMSNorm takes them. Not torch's bits: its sum of squares runs in an order of its
+// own, this one in 16 lanes and the fixed pairwise lane sum, so a row's result depends on the
+// row alone. x [T, D] contiguous bfloat16, D a multiple of 16; w [D].
+at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 1 && w.is_contiguous() && x.size(1) == w.size(0),
+              "decode_norm: x is a contiguous [T, D], w a [D]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "decode_norm: bfloat16 CPU tensors only");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(D % LANES == 0, "decode_norm: D ", D, " is not a multiple of ", LANES);
+  auto out = at::empty({T, D}, x.options());
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const float e = static_cast<float>(eps), d = static_cast<float>(D);
+  for (int64_t i = 0; i < T; ++i) {
+    const c10::BFloat16* xi = xp + i * D;
+    vf acc = {};
+    for (int64_t c = 0; c < D; c += LANES) {
+      const vf f = load_bf16(xi + c);
+      acc += f * f;
+    }
+    const float rstd = 1.0f / std::sqrt(hsum(acc) / d + e);
+    c10::BFloat16* oi = op + i * D;
+    for (int64_t j = 0; j < D; ++j) {
+      const c10::BFloat16 y(static_cast<float>(xi[j]) * rstd);
+      oi[j] = c10::BFloat16(static_cast<float>(wp[j]) * static_cast<float>(y));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(caldrix, m) {
   m.def("decode_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) K, Tensor(b!) V, int[] slots, int[] lengths, "
         "float scale) -> Tensor");
+  m.def("decode_rope_attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) K, Tensor(b!) V, int[] slots, "
+        "int[] lengths, int heads, float scale) -> Tensor");
+  m.def("decode_norm(Tensor x, Tensor w, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(caldrix, CPU, m) { m.impl("decode_attend", decode_attend); }
+TORCH_LIBRARY_IMPL(caldrix, CPU, m) {
+  m.impl("decode_attend", decode_attend);
+  m.impl("decode_rope_attend", decode_rope_attend);
+  m.impl("decode_norm", decode_norm);
+}

@@ -166,6 +166,8 @@ class Block(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, at: Attend, kv: KVCache) -> torch.Tensor:
+        if at.native and at.kind == "decode" and self.q_norm is None:
+            return self._decode_native(x, cos, sin, at, kv)
         cfg = self.cfg
         T = x.shape[0]
         h, g, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -179,6 +181,20 @@ class Block(nn.Module):
         attn = self._attend(q, k, v, at, kv)  # [T, H*E]
         x = x + self.wo(attn)
         gate, up = self.w_gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+    def _decode_native(self, x, cos, sin, at: Attend, kv: KVCache) -> torch.Tensor:
+        """The decode form with the compiled kernels (models/attend.cpp): RMSNorm, and RoPE with
+        the attention, one call each, where the general form makes about 20 small torch calls.
+        The RoPE is torch's bits; the norm's float sum runs in an order of its own. The scripted
+        stack (models/scripted.py) makes the same calls in the same order."""
+        cfg, ops = self.cfg, torch.ops.caldrix
+        K, V = kv.k[self.index], kv.v[self.index]
+        qkv = self.wqkv(ops.decode_norm(x, self.input_norm.weight, cfg.rms_norm_eps))  # [T, (H+2G)E]
+        attn = ops.decode_rope_attend(qkv, cos, sin, K, V, list(at.slots), list(at.lengths), cfg.num_heads,
+                                      1.0 / math.sqrt(cfg.head_dim))  # [T, H*E]
+        x = x + self.wo(attn)
+        gate, up = self.w_gate_up(ops.decode_norm(x, self.post_norm.weight, cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
 
     def _attend(self, q, k, v, at: Attend, kv: KVCache) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""The decode attention kernel (attend.cpp), compiled on first use and cached.
+"""The decode kernels (attend.cpp), compiled on first use and cached.
 
-`load()` makes `torch.ops.caldrix.decode_attend` exist in this process and says whether it is
-the compiled kernel. Where it cannot be compiled (no C++ compiler, a failed build, or
-CALDRIX_NATIVE=0), it falls back to a torch definition of the same op with the same contract,
-one scaled_dot_product_attention call a row, so callers, TorchScript included, have one name
-to call either way. Which one runs is decided once a process: an engine's decode passes all
-use one of them, so a reply never depends on which was picked for which step.
+`load()` makes `torch.ops.caldrix.decode_attend`, `decode_rope_attend` and `decode_norm` exist
+in this process and says whether they are the compiled kernels. Where they cannot be compiled
+(no C++ compiler, a failed build, or CALDRIX_NATIVE=0), it falls back to torch definitions of
+the same ops with the same contracts (one scaled_dot_product_attention call a row; the RMSNorm
+of decoder.py), so callers, TorchScript included, have one name to call either way. Which one
+runs is decided once a process: an engine's decode passes all use one of them, so a reply
+never depends on which was picked for which step.
 
 The build is a single g++ call against torch's headers, about 15 s on 2 cores, once per
 machine, torch version and source: the shared object lives under the caldrix cache
@@ -92,7 +93,12 @@ def _define_torch_fallback() -> None:
     lib = torch.library.Library("caldrix", "DEF")
     lib.define("decode_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) K, Tensor(b!) V, int[] slots, int[] lengths, "
                "float scale) -> Tensor")
+    lib.define("decode_rope_attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) K, Tensor(b!) V, int[] slots, "
+               "int[] lengths, int heads, float scale) -> Tensor")
+    lib.define("decode_norm(Tensor x, Tensor w, float eps) -> Tensor")
     lib.impl("decode_attend", torch_decode_attend, "CPU")
+    lib.impl("decode_rope_attend", torch_decode_rope_attend, "CPU")
+    lib.impl("decode_norm", torch_decode_norm, "CPU")
     _define_torch_fallback.lib = lib  # keep the registration alive
 
 
@@ -109,6 +115,22 @@ def torch_decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: to
                                           enable_gqa=True) if n else zero
            for i, (s, n) in enumerate(zip(slots, lengths))]
     return torch.cat(out).reshape(T, h * e)
+
+
+def torch_decode_rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, K: torch.Tensor,
+                             V: torch.Tensor, slots: List[int], lengths: List[int], heads: int,
+                             scale: float) -> torch.Tensor:
+    """qkv [T, (H+2G)E], cos, sin [T, 1, E] -> [T, H * E]: split, RoPE, then decode_attend."""
+    T, (g, e) = qkv.shape[0], (K.shape[1], K.shape[3])
+    qk, v = qkv.split([(heads + g) * e, g * e], dim=-1)
+    qk = qk.view(T, heads + g, e)
+    qk = qk * cos.view(T, 1, e) + qk.roll(e // 2, dims=-1) * sin.view(T, 1, e)  # decoder.apply_rope
+    return torch.ops.caldrix.decode_attend(qk[:, :heads], qk[:, heads:], v.view(T, g, e), K, V, slots, lengths, scale)
+
+
+def torch_decode_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """decoder.RMSNorm's computation: x [T, D] -> [T, D]."""
+    return w * F.rms_norm(x.float(), [x.shape[-1]], None, eps).to(x.dtype)
 
 
 def load() -> bool:

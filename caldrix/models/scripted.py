@@ -38,6 +38,14 @@ def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tens
     K, V [S, G, C, E] (this layer's cache) at (slot_index[i], write_rows[i]), then attends
     row i over its slot's rows 0..lengths[i]-1: one call per row, as Block._attend does."""
     T, d = x.shape[0], x.shape[1]
+    if native:  # Block._decode_native: norm, RoPE and attention in the compiled kernels
+        hn = torch.ops.caldrix.decode_norm(x, in_w, eps)
+        qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(hn, qkv_p, group, qkv_sz)  # [T, (H+2G)E]
+        att = torch.ops.caldrix.decode_rope_attend(qkv, cos, sin, K, V, slots, lengths, h, scale)
+        x = x + torch.ops.aten._weight_int4pack_mm_for_cpu(att, wo_p, group, wo_sz)
+        hn = torch.ops.caldrix.decode_norm(x, post_w, eps)
+        gate, up = torch.ops.aten._weight_int4pack_mm_for_cpu(hn, gu_p, group, gu_sz).chunk(2, dim=-1)
+        return x + torch.ops.aten._weight_int4pack_mm_for_cpu(F.silu(gate) * up, dn_p, group, dn_sz)
     hn = in_w * F.rms_norm(x.float(), [d], None, eps).to(x.dtype)
     qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(hn, qkv_p, group, qkv_sz)  # [T, (H+2G)E]
     qk, v = qkv.split([(h + g) * e, g * e], dim=-1)
@@ -45,9 +53,7 @@ def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tens
     v = v.view(T, g, e)
     qk = qk * cos + qk.roll(e // 2, dims=-1) * sin  # decoder.apply_rope
     q, k = qk[:, :h], qk[:, h:]
-    if native:
-        att = torch.ops.caldrix.decode_attend(q, k, v, K, V, slots, lengths, scale)
-    elif T == 1 and lengths[0] > 0:
+    if T == 1 and lengths[0] > 0:
         s, n = slots[0], lengths[0]
         K[s, :, n - 1] = k[0]
         V[s, :, n - 1] = v[0]
