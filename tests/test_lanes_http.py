@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -60,3 +61,23 @@ def test_a_long_prompt_arriving_mid_stream_changes_no_reply(server, smollm2_dir)
     # the engine these lanes overlap on: bfloat16 with the 4-bit blocks
     assert "caldrix: dtype bfloat16, 120 projections kept as 4-bit GGUF blocks" in server.stderr
     assert "prefill chunks of 128 beside decode steps, one core each" in server.stderr
+
+
+def test_a_repeated_prompt_gets_its_reply_again_from_the_held_rows(server, smollm2_dir):
+    # The second request finds the first one's rows still in a slot and computes only the
+    # prompt's last token; that token runs alone in the decode form either way (sched/policy.py,
+    # `_chunk`), so the reply is the same bits as the fresh one's.
+    prompt = [random.Random(7).randrange(1000, 30000) for _ in range(300)]  # two chunks, the rest, the last token
+    body = {"model": smollm2_dir.name, "prompt": prompt, "max_tokens": 32, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        replies = [http.post("/v1/completions", json=body).json() for _ in range(2)]
+        records = {}
+        for _ in range(50):  # a record lands just after its reply
+            records = {r["id"]: r for r in http.get("/debug/requests").json()["data"]}
+            if all(rep["id"] in records for rep in replies):
+                break
+            time.sleep(0.1)
+    first, second = (records[rep["id"]] for rep in replies)
+    assert first["prefix_rows"] == 0 and second["prefix_rows"] == len(prompt) - 1
+    assert replies[1]["choices"][0]["text"] == replies[0]["choices"][0]["text"]
+    assert replies[0]["usage"]["completion_tokens"] == 32
