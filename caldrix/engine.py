@@ -65,6 +65,7 @@ class Engine:
         model.setup_rope(context)
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
         self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (models/q4.py)
+        self.int4_ours = False  # the 4-bit matmuls run caldrix::q4_mm (models/q4mm.cpp), not torch's kernel
         self.can_verify = False  # set by check_verify(), which speculation runs once at start
         self.scripted_rows = False  # decode-form layers run as one TorchScript call (models/scripted.py)
         # Decode-form attention through the compiled kernel (models/native.py), for every decode
@@ -91,16 +92,19 @@ class Engine:
         ctx = min(model.cfg.max_positions, 8192) if context is None else context
         engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=not engine_int4)
         engine.int4_layers = engine_int4
+        engine.int4_ours = bool(getattr(model, "int4_ours", False)) and engine_int4 > 0
         if engine_int4:
             from caldrix.models import q4
 
             # Up to a verify pass's rows, whatever --speculate says, so a prompt of a few tokens
             # takes the same kernels with speculation or without.
             q4.set_max_int4_rows(model, max(max_batch, 1 + MAX_DRAFT_TOKENS))
-            # One row a step: the Q8_0 head's 4-bit halves cost half the dense head there,
-            # and twice it at 8 rows; a head chosen by the step's row count would make a
-            # reply depend on its batch mates, so it is chosen once, by --max-batch.
-            engine.int4_head = max_batch == 1 and q4.head_from_gguf(model, int4_from)
+            # The Q8_0 head's 4-bit halves: through caldrix::q4_mm they cost less than the dense
+            # head at 1 row and at 8; through torch's int4 kernel half of it at 1 row but twice
+            # it at 8. A head chosen by the step's row count would make a reply depend on its
+            # batch mates, so it is chosen once: by the kernel, else by --max-batch.
+            use_q8 = engine.int4_ours or max_batch == 1
+            engine.int4_head = use_q8 and q4.head_from_gguf(model, int4_from)
             engine.scripted_rows = q4.script_decode_rows(model)
         return engine
 

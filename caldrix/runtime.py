@@ -60,6 +60,8 @@ class Runtime:
             weights += "; decode layers scripted"
         if getattr(self.engine, "native_attend", False):
             weights += "; decode attention compiled"
+        if getattr(self.engine, "int4_ours", False):
+            weights += "; 4-bit matmuls compiled"
         say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")
         lanes = "beside decode steps, one core each" if getattr(self.engine, "overlap_lanes", False) else "between decode steps"

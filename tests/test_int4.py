@@ -39,7 +39,9 @@ def test_4bit_weights_are_the_dequantized_weights(models, layer, name):
     lin = getattr(quant.layers[layer], name)
     assert isinstance(lin, q4.Int4Linear)
     want = getattr(dense.layers[layer], name).weight
-    got = lin(torch.eye(lin.in_features, dtype=torch.bfloat16)).float().T
+    # The kernel itself: lin(...) would take the dense weights for this many rows.
+    eye = torch.eye(lin.in_features, dtype=torch.bfloat16)
+    got = q4.int4_mm(eye, lin.packed, lin.scale_zero, lin.ours).float().T
     rel = (got - want).abs().max() / want.abs().max()
     assert rel < 0.01
 
@@ -135,17 +137,26 @@ def test_q8_0_head_reads_back_the_embedding(smollm2_dir, gguf_file):
     assert rel < 0.01
 
 
-def test_q8_0_head_only_at_max_batch_1(smollm2_dir, gguf_file):
-    """The Q8_0 head costs more than the dense one at 8 rows, and the head must not change with
-    a step's row count, so only a --max-batch 1 engine takes it. Its greedy reply follows the
-    dense-head engine's: the first tokens agree."""
+@pytest.mark.parametrize("ours", [True, False], ids=["q4_mm", "torch-int4"])
+def test_q8_0_head_where_it_is_cheaper(smollm2_dir, gguf_file, monkeypatch, ours):
+    """Through caldrix::q4_mm the Q8_0 head costs less than the dense one at 1 row and at 8, so
+    every engine takes it; through torch's int4 kernel it costs twice the dense one at 8 rows,
+    so only a --max-batch 1 engine does. Either way the head is chosen once, never by a step's
+    row count. The greedy replies follow each other: the first tokens agree."""
     from transformers import AutoTokenizer
 
+    from caldrix.models import native
+
+    if ours and not native.has_q4_mm():
+        pytest.skip("caldrix::q4_mm is not built on this CPU")
+    if not ours:
+        monkeypatch.setattr(native, "has_q4_mm", lambda: False)
     ids = tuple(AutoTokenizer.from_pretrained(str(smollm2_dir)).encode("The capital of France is"))
     one = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=64, int4_from=gguf_file)
     two = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=2, context=64, int4_from=gguf_file)
-    assert one.int4_head and isinstance(one.model.head, q4.Q8AsInt4Linear)
-    assert not two.int4_head and two.model.head is None
+    assert one.int4_ours is ours and two.int4_ours is ours
+    assert one.int4_head and isinstance(one.model.head, q4.Q8AsInt4Linear) and one.model.head.ours is ours
+    assert two.int4_head is ours and (two.model.head is not None) is ours
     a, b = generate(one, [ids], 8, together=True)[0], generate(two, [ids], 8, together=True)[0]
     assert a[:4] == b[:4], (a, b)
 

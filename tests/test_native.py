@@ -118,6 +118,76 @@ def test_norm_follows_torch_and_a_row_depends_on_itself_alone(op):
         torch.ops.caldrix.decode_norm(x.float(), w, 1e-5)
 
 
+@pytest.fixture(scope="module")
+def q4_mm(op):
+    if not native.has_q4_mm():
+        pytest.skip("caldrix::q4_mm is built only for CPUs with AVX512-BF16")
+    return torch.ops.caldrix.q4_mm
+
+
+def q4_weights(n, k, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half().float()  # the GGUF's float16 d and m
+    m = (-torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
+    w = (q.float().view(n, k // 32, 32) * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, k)
+    return q, d, m, w
+
+
+@pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536), (960, 576)])
+def test_q4_mm_follows_the_dequantized_weights_and_torchs_kernel(q4_mm, n, k):
+    from caldrix.models import q4
+
+    q, d, m, w = q4_weights(n, k)
+    qw, dm = q4.q4_mm_layout(q, d, m)
+    theirs = q4.Int4Linear(q, d, m)
+    gen = torch.Generator().manual_seed(4)
+    for T in (1, 5, 9, 20):  # 20: more rows than one pass over the weights takes (8)
+        x = torch.randn(T, k, generator=gen).bfloat16()
+        want = x.float() @ w.T
+        got = q4_mm(x, qw, dm)
+        assert got.shape == (T, n) and got.dtype == torch.bfloat16
+        # float32 sums of exact products: off by the output's bfloat16 rounding and little else
+        assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+        other = q4.int4_mm(x, theirs.packed, theirs.scale_zero, ours=False).float()
+        assert (got.float() - other).abs().max() <= 2 ** -6 * want.abs().max()
+
+
+def test_q4_mm_rows_depend_on_themselves_alone(q4_mm):
+    from caldrix.models import q4
+
+    q, d, m, _ = q4_weights(1024, 576)
+    qw, dm = q4.q4_mm_layout(q, d, m)
+    x = torch.randn(12, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    saved = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(q4_mm(x, qw, dm))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0], outs[1])
+    for i in (0, 7, 8, 11):  # either side of the 8-row passes
+        assert torch.equal(q4_mm(x[i : i + 1], qw, dm)[0], outs[0][i])
+    assert torch.equal(q4_mm(x[3:10], qw, dm), outs[0][3:10])
+
+
+def test_q4_mm_refuses_what_it_cannot_take(q4_mm):
+    from caldrix.models import q4
+
+    q, d, m, _ = q4_weights(32, 64)
+    qw, dm = q4.q4_mm_layout(q, d, m)
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        q4_mm(x.float(), qw, dm)
+    with pytest.raises(RuntimeError, match="K / 2"):
+        q4_mm(torch.randn(2, 96).bfloat16(), qw, dm)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        q4_mm(x, qw[:24], dm)
+    assert not q4.ours_fits(24, 64) and not q4.ours_fits(32, 48) and q4.ours_fits(32, 64)
+
+
 def test_bad_calls_are_errors_that_name_the_problem(op):
     q, k, v, K, V = make(2)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -134,7 +204,7 @@ def test_without_the_kernel_the_op_is_the_torch_definition(tmp_path):
     code = (
         "import torch\n"
         "from caldrix.models import native\n"
-        "assert native.load() is False\n"
+        "assert native.load() is False and native.has_q4_mm() is False\n"
         "q = torch.randn(2, 9, 64).bfloat16(); k = torch.randn(2, 3, 64).bfloat16(); v = k.clone()\n"
         "K = torch.zeros(2, 3, 16, 64).bfloat16(); V = K.clone()\n"
         "K2, V2 = K.clone(), V.clone()\n"

@@ -270,7 +270,7 @@ class Decoder(nn.Module):
             return self.stack_fn(x, self.stack_weights, cfg.rms_norm_eps, self.layers[0].wqkv.group, kv.k, kv.v,
                                  list(at.slots), list(at.lengths), at.slot_index, at.write_rows, cos, sin,
                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim),
-                                 at.native)
+                                 at.native, self.layers[0].wqkv.ours)
         for layer in self.layers:
             x = layer(x, cos, sin, at, kv)
         return x

@@ -33,11 +33,13 @@ import torch.nn.functional as F
 
 log = logging.getLogger("caldrix.engine")
 
-SOURCE = Path(__file__).with_name("attend.cpp")
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
+# attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has AVX512-BF16
+SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp")]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
 _lock = threading.Lock()
 _state: str | None = None  # "native" | "torch", once decided
+_q4_mm = False  # whether the compiled library holds caldrix::q4_mm (q4mm.cpp)
 
 
 def _cpu_fingerprint() -> str:
@@ -55,7 +57,7 @@ def _compiler() -> str | None:
 
 def _key(cxx: str) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(torch.version.git_version).encode(),
+    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), str(torch.version.git_version).encode(),
                  cxx.encode(), " ".join(FLAGS).encode(), _cpu_fingerprint().encode()):
         h.update(part)
         h.update(b"\0")
@@ -63,7 +65,7 @@ def _key(cxx: str) -> str:
 
 
 def _build(cxx: str, out: Path) -> None:
-    """Compile attend.cpp into `out`, atomically: a concurrent process waits on the lock file
+    """Compile the sources into `out`, atomically: a concurrent process waits on the lock file
     and then finds the finished object."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
@@ -77,7 +79,7 @@ def _build(cxx: str, out: Path) -> None:
         libs = library_paths()
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cxx, *FLAGS, str(SOURCE), "-o", tmp, *(f"-I{p}" for p in include_paths()),
+        cmd = [cxx, *FLAGS, *map(str, SOURCES), "-o", tmp, *(f"-I{p}" for p in include_paths()),
                *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True)
@@ -100,6 +102,21 @@ def _define_torch_fallback() -> None:
     lib.impl("decode_rope_attend", torch_decode_rope_attend, "CPU")
     lib.impl("decode_norm", torch_decode_norm, "CPU")
     _define_torch_fallback.lib = lib  # keep the registration alive
+    _define_q4_mm_stub()
+
+
+def _define_q4_mm_stub() -> None:
+    """caldrix::q4_mm where q4mm.cpp was not built (no AVX512-BF16, or no kernels at all): the
+    name must exist for the scripted layers (models/scripted.py), which only call it where
+    `has_q4_mm()` said it is the compiled kernel."""
+    lib = torch.library.Library("caldrix", "FRAGMENT")
+    lib.define("q4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor")
+    lib.impl("q4_mm", _no_q4_mm, "CPU")
+    _define_q4_mm_stub.lib = lib
+
+
+def _no_q4_mm(x: torch.Tensor, qw: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    raise NotImplementedError("caldrix::q4_mm needs the compiled kernel (an AVX512-BF16 CPU)")
 
 
 def torch_decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
@@ -154,11 +171,21 @@ def load() -> bool:
                         _build(cxx, out)
                     torch.ops.load_library(str(out))
                     _state = "native"
+                    global _q4_mm
+                    _q4_mm = torch._C._dispatch_has_kernel_for_dispatch_key("caldrix::q4_mm", "CPU")
+                    if not _q4_mm:
+                        _define_q4_mm_stub()
                 except Exception as exc:  # noqa: BLE001 -- the torch definition below always works
                     log.warning("decode attention: torch; the kernel did not build or load (%s)", exc)
             if _state == "torch":
                 _define_torch_fallback()
         return _state == "native"
+
+
+def has_q4_mm() -> bool:
+    """Whether the compiled caldrix::q4_mm (q4mm.cpp) is here: built only for CPUs with
+    AVX512-BF16, and never in the torch fallback (torch's int4 kernel serves there)."""
+    return load() and _q4_mm
 
 
 def usable(dtype: torch.dtype, head_dim: int, device) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from caldrix.models import native
 from caldrix.models.gguf_index import read_tensors
 
 GROUP = 32
@@ -63,14 +64,28 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 MAX_INT4_ROWS = 8
 
 
+def q4_mm_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int32 [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm's operands (q4mm.cpp):
+    nibbles uint8 [N, K / 2] in 16-column groups, 32 bytes per 4 k's (byte 2c: column c's
+    k0 | k2 << 4, byte 2c + 1: k1 | k3 << 4); d and m - 128 d float32 [N / 16, K / GROUP, 2, 16]."""
+    n, k = q.shape
+    g = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [groups, k / 4, column, k within 4]
+    qw = (g[..., 0:2] | (g[..., 2:4] << 4)).to(torch.uint8).reshape(n, k // 2).contiguous()
+    d, m = d.float(), m.float()
+    dm = torch.stack([d, m - 128 * d]).view(2, n // 16, 16, k // GROUP).permute(1, 3, 0, 2)
+    return qw, dm.contiguous()
+
+
 def script_decode_rows(model: nn.Module) -> bool:
     """Where every layer's four projections are 4-bit and no layer has q/k norms, give the
     model the scripted decode path through all its layers (models/scripted.py). Whether it did."""
     from caldrix.models import scripted
 
-    if not all(b.q_norm is None and all(isinstance(m, Int4Linear) for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down))
-               for b in model.layers):
+    projections = [m for b in model.layers for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)]
+    if not all(b.q_norm is None for b in model.layers) or not all(isinstance(m, Int4Linear) for m in projections):
         return False
+    if len({m.ours for m in projections}) != 1:
+        return False  # the stack names one kernel for every projection
     fn = scripted.compile_stack()
     if fn is None:
         return False
@@ -84,19 +99,41 @@ def set_max_int4_rows(model: nn.Module, rows: int) -> None:
             module.max_int4_rows = rows
 
 
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, ours: bool) -> torch.Tensor:
+    """x [T, K] bf16 -> [T, N] bf16 through the kernel the weights were laid out for."""
+    if ours:
+        return torch.ops.caldrix.q4_mm(x.contiguous(), packed, scale_zero)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
+
+
+def ours_fits(n: int, k: int) -> bool:
+    """Whether caldrix::q4_mm can take an [n, k] weight: 16-column groups, whole blocks."""
+    return n % 16 == 0 and k % GROUP == 0
+
+
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as packed 4-bit groups (bfloat16 activations).
 
+    `ours`: the weights are laid out for caldrix::q4_mm (models/q4mm.cpp), else for torch's int4
+    weight-only kernel; `packed` and `scale_zero` hold that kernel's operands either way. An
+    engine picks one kernel for all its layers (quantize_from_gguf): the two round differently.
     Calls of more than `max_int4_rows` rows (prefill chunks) use `dense`, the same weights
     dequantized, when one is given: compute-bound work is faster there."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None):
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None,
+                 ours: bool = False):
         super().__init__()
         # q [N, K] int32 in 0..15; d, m [N, K / GROUP]
         self.out_features, self.in_features = q.shape
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1))
-        scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K / GROUP, N, 2]
-        self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
+        self.ours = ours
+        if ours:
+            packed, scale_zero = q4_mm_layout(q, d, m)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K / GROUP, N, 2]
+            scale_zero = scale_zero.to(torch.bfloat16).contiguous()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero)
         self.dense = dense
         self.max_int4_rows = MAX_INT4_ROWS
         self.group = GROUP
@@ -104,7 +141,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.max_int4_rows:
             return torch.nn.functional.linear(x, self.dense)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
+        return int4_mm(x, self.packed, self.scale_zero, self.ours)
 
 
 class Q8AsInt4Linear(nn.Module):
@@ -116,11 +153,14 @@ class Q8AsInt4Linear(nn.Module):
     3.5 ms a row against 7.2 ms dense bf16, but 12.4 ms at 8 rows against 6.5 ms, since the
     kernel's cost grows with the rows. Hence the engine uses it only at --max-batch 1."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, ours: bool = False):
         super().__init__()
         self.out_features, self.in_features = q.shape
+        self.ours = ours
 
-        def half(nibbles, scale, zero):
+        def half(nibbles, scale, zero):  # w = (nibble - 8) * scale + zero
+            if ours:  # as Q4_1: w = scale * nibble + (zero - 8 scale)
+                return q4_mm_layout(nibbles, scale, zero - 8 * scale)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.contiguous(), 1)
             return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
 
@@ -132,9 +172,8 @@ class Q8AsInt4Linear(nn.Module):
         self.register_buffer("lo_scale_zero", lo_sz)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        hi = mm(x, self.hi_packed, GROUP, self.hi_scale_zero)
-        return hi.float() + mm(x, self.lo_packed, GROUP, self.lo_scale_zero).float()
+        hi = int4_mm(x, self.hi_packed, self.hi_scale_zero, self.ours)
+        return hi.float() + int4_mm(x, self.lo_packed, self.lo_scale_zero, self.ours).float()
 
 
 def head_from_gguf(model: nn.Module, gguf_path: Path) -> bool:
@@ -145,7 +184,7 @@ def head_from_gguf(model: nn.Module, gguf_path: Path) -> bool:
     if t is None or int(t.tensor_type) != Q8_0:
         return False
     q, d = unpack_q8_0(t.data, int(t.shape[0]))
-    model.head = Q8AsInt4Linear(q, d)
+    model.head = Q8AsInt4Linear(q, d, ours=getattr(model, "int4_ours", False) and ours_fits(*q.shape))
     return True
 
 
@@ -168,10 +207,23 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
             q, d, m = q[idx], d[idx], m[idx]
         return q, d, m
 
+    def fits(*names: str) -> bool:  # from the GGUF's shapes, before anything is unpacked
+        ts = [tensors.get(name) for name in names]
+        if any(t is None or int(t.tensor_type) != Q4_1 for t in ts):
+            return True  # stays dense: no say in the kernel
+        return ours_fits(sum(int(t.shape[1]) for t in ts), int(ts[0].shape[0]))
+
+    # One kernel for every 4-bit layer: caldrix's own where it is built and takes every shape.
+    ours = native.has_q4_mm() and all(
+        fits(*(f"blk.{i}.{n}.weight" for n in group))
+        for i in range(len(model.layers))
+        for group in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)))
+    model.int4_ours = ours
+
     def fused(dense: nn.Linear, *parts):
         if any(p is None for p in parts):
             return None
-        return Int4Linear(*(torch.cat(xs) for xs in zip(*parts)), dense=dense.weight)
+        return Int4Linear(*(torch.cat(xs) for xs in zip(*parts)), dense=dense.weight, ours=ours)
 
     swapped = 0
     for i, layer in enumerate(model.layers):

@@ -1,0 +1,151 @@
+// caldrix::q4_mm: y = x @ W.T for a few bfloat16 rows x and a GGUF's Q4_1 weights W, read in
+// their own 4-bit blocks (w = d * q + m, 32 weights a block).
+//
+// Why a kernel of our own: at one row a decode step is a read of every weight, and torch's int4
+// weight-only kernel reads them at about half of what this machine's memory gives two threads
+// (4.1 ms for SmolLM2's 85 MB against about 2 ms for a plain sum over as many bytes). Here the
+// nibbles become bfloat16 in registers and AVX512-BF16 dot products do the multiply-adds.
+//
+// Exactness contract (the engine's batch invariance rests on it): a row's outputs depend only on
+// that row and W, never on the other rows of the call or the thread count. Each output column
+// is computed whole by one thread, in a fixed order: per block a 16-lane bf16 dot product
+// (vdpbf16ps) scaled by d into a 16-lane float accumulator, blocks in order, then a fixed
+// pairwise lane sum, then sum_b m_b * S_b in block order, where S_b is the block's sum of x.
+// The products q * x are exact in float32 (8-bit mantissas); d and m stay float32.
+//
+// Layout (made by models/q4.py from the GGUF): qw uint8 [N, K / 2], per block of 32 weights 16
+// bytes, byte j holding weight j in its low nibble and weight j + 16 in its high one, as the
+// GGUF stores them; dm float32 [N, K / 32, 2] holds (d, m). x [T, K] bfloat16 contiguous, T at
+// most MAX_ROWS; K a multiple of 32. Returns [T, N] bfloat16.
+//
+// Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU); elsewhere
+// the op is not registered and the engine keeps torch's int4 kernel (models/native.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 32;
+constexpr int64_t COLS = 16;     // output columns a vector holds, one a lane
+constexpr int64_t ROWS_AT_ONCE = 8;  // rows sharing one unpacking of the weights
+
+// One group of 16 output columns for R rows. qg: the group's nibbles, 32 bytes per 4 k's (byte
+// 2c holds column c's k0 | k2 << 4, byte 2c + 1 its k1 | k3 << 4); dg: per block, 16 d's then
+// 16 (m - 128 d)'s; x: R rows of K; sums: R rows of K / 32 block sums.
+//
+// The 32 bytes widen to 32 words; OR-ing 0x4300 into the low and the high nibbles makes the
+// bfloat16 values 128 + q exactly, k0 and k1 (or k2 and k3) beside each other for each column,
+// as vdpbf16ps pairs them with a broadcast (x[k0], x[k1]). So a block gives sum (128 + q) x =
+// sum q x + 128 S, and y = sum_b d_b * that + (m_b - 128 d_b) * S_b, block by block in order.
+template <int R>
+inline void group(const uint8_t* qg, const float* dg, const c10::BFloat16* x, const float* sums,
+                  int64_t K, __m512 out[R]) {
+  const __m512i nib = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
+  const int64_t blocks = K / BLOCK;
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    for (int64_t k4 = 0; k4 < BLOCK / 4; ++k4) {
+      const int64_t k = b * BLOCK + 4 * k4;
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + k * 8)));
+      const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, nib), bias);
+      const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + k);
+        part[r] = _mm512_dpbf16_ps(part[r], lo, (__m512bh)_mm512_set1_epi32(xr[0]));
+        part[r] = _mm512_dpbf16_ps(part[r], hi, (__m512bh)_mm512_set1_epi32(xr[1]));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(dg + b * 2 * COLS), m = _mm512_loadu_ps(dg + b * 2 * COLS + COLS);
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * blocks + b]), _mm512_fmadd_ps(d, part[r], total[r]));
+  }
+  for (int r = 0; r < R; ++r) out[r] = total[r];
+}
+
+template <int R>
+void rows(const c10::BFloat16* x, const float* sums, const uint8_t* qw, const float* dm, c10::BFloat16* y, int64_t K,
+          int64_t N) {
+  const int64_t blocks = K / BLOCK;
+  at::parallel_for(0, N / COLS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      __m512 out[R];
+      group<R>(qw + gi * COLS * (K / 2), dm + gi * blocks * 2 * COLS, x, sums, K, out);
+      for (int r = 0; r < R; ++r) {
+        alignas(64) float v[COLS];
+        _mm512_store_ps(v, out[r]);
+        for (int c = 0; c < COLS; ++c) y[r * N + gi * COLS + c] = c10::BFloat16(v[c]);
+      }
+    }
+  });
+}
+
+void dispatch(int64_t R, const c10::BFloat16* x, const float* sums, const uint8_t* qw, const float* dm,
+              c10::BFloat16* y, int64_t K, int64_t N) {
+  switch (R) {
+#define CASE(n) \
+  case n: rows<n>(x, sums, qw, dm, y, K, N); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+  }
+}
+
+at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "q4_mm: x is a contiguous bfloat16 CPU [T, K]");
+  const int64_t T = x.size(0), K = x.size(1), N = qw.size(0);
+  TORCH_CHECK(K % BLOCK == 0, "q4_mm: K ", K, " is not a multiple of ", BLOCK);
+  TORCH_CHECK(T >= 1, "q4_mm: no rows");
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 2 && qw.size(1) == K / 2 &&
+                  N % COLS == 0,
+              "q4_mm: qw is a contiguous uint8 [N, K / 2], N a multiple of 16, in q4.py's column-group order");
+  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.numel() == 2 * N * (K / BLOCK),
+              "q4_mm: dm holds d and m - 128 d, contiguous float32, 2 * N * K / 32 values in q4.py's order");
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  // S[t, b]: each block's sum of x, in a fixed order (two 16-lane halves, then the lane sum).
+  const int64_t blocks = K / BLOCK;
+  std::vector<float> sums(T * blocks);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512i raw = _mm512_loadu_si512(xp + t * K + b * BLOCK);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+      const __m512 hi =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+      const __m512 s = _mm512_add_ps(lo, hi);
+      __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+      __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+      q = _mm_add_ss(q, _mm_movehdup_ps(q));
+      sums[t * blocks + b] = _mm_cvtss_f32(q);
+    }
+  auto y = at::empty({T, N}, x.options());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  // Rows in chunks of 8, each chunk a pass over the weights: a row's result is the same in
+  // any chunk, so the split never changes it.
+  for (int64_t t0 = 0; t0 < T; t0 += ROWS_AT_ONCE) {
+    const int64_t R = std::min(ROWS_AT_ONCE, T - t0);
+    dispatch(R, xp + t0 * K, sums.data() + t0 * blocks, qw.data_ptr<uint8_t>(), dm.data_ptr<float>(), yp + t0 * N,
+             K, N);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(caldrix, m) { m.def("q4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(caldrix, CPU, m) { m.impl("q4_mm", q4_mm); }
+
+#endif
