@@ -1,9 +1,11 @@
-"""Keep a GGUF's Q4_1 blocks 4-bit: torch's int4 weight-only CPU matmul, no re-quantizing.
+"""Keep a GGUF's Q4_1 blocks 4-bit for the matmul, no re-quantizing.
 
 A Q4_1 block holds 32 weights of one row as w = d * q + m, with q in 0..15 and d, m float16.
-torch's int4 kernel computes w = (q - 8) * scale + zero per group, so the GGUF's own q values
-go in unchanged with scale = d and zero = m + 8 d. The one rounding is of scale and zero to
-bfloat16, the kernel's dtype, which is why this path is taken only for a bfloat16 engine.
+Two kernels take them as they are. caldrix::q4_mm (q4mm.cpp, CPUs with AVX512-BF16) reads the
+nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float32. torch's int4
+weight-only kernel computes w = (q - 8) * scale + zero per group, so the GGUF's q values go in
+unchanged with scale = d and zero = m + 8 d, rounded to bfloat16, the kernel's dtype. Either
+way the activations are bfloat16, which is why this path is taken only for a bfloat16 engine.
 
 llama.cpp's converter stores the q and k projections with their rows permuted (for its
 interleaved RoPE); rows move whole, blocks and all, so undoing it is a row gather.
@@ -148,10 +150,12 @@ class Q8AsInt4Linear(nn.Module):
     """y = x @ W.T, fp32 out, with W held as a GGUF's Q8_0 blocks split into two 4-bit halves.
 
     q = 16 hi + lo, with hi in -8..7 and lo in 0..15, so W = (16 d) hi + d lo: two calls of
-    the int4 kernel, hi with scale 16 d and zero 0, lo with scale d and zero 8 d. The q values
-    stay exact; d rounds to bfloat16. Measured on 2 cores for SmolLM2's 49152 x 576 lm_head:
-    3.5 ms a row against 7.2 ms dense bf16, but 12.4 ms at 8 rows against 6.5 ms, since the
-    kernel's cost grows with the rows. Hence the engine uses it only at --max-batch 1."""
+    the 4-bit kernel, hi with scale 16 d and zero 0, lo with scale d and zero 8 d. The q values
+    stay exact. Through torch's kernel (d rounded to bfloat16), measured on 2 cores for
+    SmolLM2's 49152 x 576 lm_head: 3.5 ms a row against 7.2 ms dense bf16, but 12.4 ms at 8
+    rows against 6.5 ms, so the engine uses it there only at --max-batch 1. Through
+    caldrix::q4_mm (d float32): 0.55 ms a row and 1.6 ms at 8 rows on another machine, where
+    the dense head took about 2.6 ms at 8, so every engine uses it."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, ours: bool = False):
         super().__init__()
