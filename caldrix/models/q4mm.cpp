@@ -47,47 +47,76 @@ constexpr int64_t ROWS_AT_ONCE = 8;  // rows sharing one unpacking of the weight
 // bfloat16 values 128 + q exactly, k0 and k1 (or k2 and k3) beside each other for each column,
 // as vdpbf16ps pairs them with a broadcast (x[k0], x[k1]). So a block gives sum (128 + q) x =
 // sum q x + 128 S, and y = sum_b d_b * that + (m_b - 128 d_b) * S_b, block by block in order.
-template <int R>
-inline void group(const uint8_t* qg, const float* dg, const c10::BFloat16* x, const float* sums,
-                  int64_t K, __m512 out[R]) {
+template <int G, int R>
+inline void groups(const uint8_t* qg, const float* dg, const c10::BFloat16* x, const float* sums, int64_t K,
+                   __m512 out[G][R]) {
+  // G column groups at once, each with its own accumulators: the arithmetic of a column is the
+  // same for any G and R, but a few rows alone would otherwise wait on one chain of dependent
+  // dot products (several cycles each) instead of filling the vector units.
   const __m512i nib = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
-  const int64_t blocks = K / BLOCK;
-  __m512 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
+  __m512 total[G][R];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) total[g][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    __m512 part[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) part[g][r] = _mm512_setzero_ps();
     for (int64_t k4 = 0; k4 < BLOCK / 4; ++k4) {
       const int64_t k = b * BLOCK + 4 * k4;
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + k * 8)));
-      const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, nib), bias);
-      const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
-      for (int r = 0; r < R; ++r) {
-        const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + k);
-        part[r] = _mm512_dpbf16_ps(part[r], lo, (__m512bh)_mm512_set1_epi32(xr[0]));
-        part[r] = _mm512_dpbf16_ps(part[r], hi, (__m512bh)_mm512_set1_epi32(xr[1]));
+      for (int g = 0; g < G; ++g) {
+        const __m512i bytes =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + g * stride + k * 8)));
+        const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, nib), bias);
+        const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + k);
+          part[g][r] = _mm512_dpbf16_ps(part[g][r], lo, (__m512bh)_mm512_set1_epi32(xr[0]));
+          part[g][r] = _mm512_dpbf16_ps(part[g][r], hi, (__m512bh)_mm512_set1_epi32(xr[1]));
+        }
       }
     }
-    const __m512 d = _mm512_loadu_ps(dg + b * 2 * COLS), m = _mm512_loadu_ps(dg + b * 2 * COLS + COLS);
-    for (int r = 0; r < R; ++r)
-      total[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * blocks + b]), _mm512_fmadd_ps(d, part[r], total[r]));
+    for (int g = 0; g < G; ++g) {
+      const float* dgb = dg + g * dstride + b * 2 * COLS;
+      const __m512 d = _mm512_loadu_ps(dgb), m = _mm512_loadu_ps(dgb + COLS);
+      for (int r = 0; r < R; ++r)
+        total[g][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * blocks + b]), _mm512_fmadd_ps(d, part[g][r], total[g][r]));
+    }
   }
-  for (int r = 0; r < R; ++r) out[r] = total[r];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) out[g][r] = total[g][r];
 }
+
+template <int G, int R>
+inline void store(__m512 out[G][R], c10::BFloat16* y, int64_t N, int64_t gi) {
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) {
+      alignas(64) float v[COLS];
+      _mm512_store_ps(v, out[g][r]);
+      for (int c = 0; c < COLS; ++c) y[r * N + (gi + g) * COLS + c] = c10::BFloat16(v[c]);
+    }
+}
+
+// Column groups interleaved per pass: enough independent accumulators to hide the dot
+// products' latency, few enough to stay in the 32 vector registers.
+constexpr int interleave(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
 
 template <int R>
 void rows(const c10::BFloat16* x, const float* sums, const uint8_t* qw, const float* dm, c10::BFloat16* y, int64_t K,
           int64_t N) {
-  const int64_t blocks = K / BLOCK;
-  at::parallel_for(0, N / COLS, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t gi = begin; gi < end; ++gi) {
-      __m512 out[R];
-      group<R>(qw + gi * COLS * (K / 2), dm + gi * blocks * 2 * COLS, x, sums, K, out);
-      for (int r = 0; r < R; ++r) {
-        alignas(64) float v[COLS];
-        _mm512_store_ps(v, out[r]);
-        for (int c = 0; c < COLS; ++c) y[r * N + gi * COLS + c] = c10::BFloat16(v[c]);
-      }
+  constexpr int G = interleave(R);
+  const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
+  at::parallel_for(0, N / COLS, G, [&](int64_t begin, int64_t end) {
+    int64_t gi = begin;
+    for (; gi + G <= end; gi += G) {
+      __m512 out[G][R];
+      groups<G, R>(qw + gi * stride, dm + gi * dstride, x, sums, K, out);
+      store<G, R>(out, y, N, gi);
+    }
+    for (; gi < end; ++gi) {
+      __m512 out[1][R];
+      groups<1, R>(qw + gi * stride, dm + gi * dstride, x, sums, K, out);
+      store<1, R>(out, y, N, gi);
     }
   });
 }
