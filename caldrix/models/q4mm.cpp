@@ -7,19 +7,21 @@
 // nibbles become bfloat16 in registers and AVX512-BF16 dot products do the multiply-adds.
 //
 // Exactness contract (the engine's batch invariance rests on it): a row's outputs depend only on
-// that row and W, never on the other rows of the call or the thread count. Each output column
-// is computed whole by one thread, in a fixed order: per block a 16-lane bf16 dot product
-// (vdpbf16ps) scaled by d into a 16-lane float accumulator, blocks in order, then a fixed
-// pairwise lane sum, then sum_b m_b * S_b in block order, where S_b is the block's sum of x.
-// The products q * x are exact in float32 (8-bit mantissas); d and m stay float32.
+// that row and W, never on the other rows of the call or the thread count. A vector holds 16
+// output columns, one a lane, and each column group is computed whole by one thread, in a fixed
+// order: per block, vdpbf16ps steps over its 32 k's (two products a lane a step) from zero,
+// then the block's sum is scaled by d and (m - 128 d) * S_b is added (S_b: the block's sum of
+// x), blocks in order. Rows run in passes of 8 over the weights, which changes no row's result.
+// The products are exact in float32 (8-bit mantissas); d and m stay float32.
 //
-// Layout (made by models/q4.py from the GGUF): qw uint8 [N, K / 2], per block of 32 weights 16
-// bytes, byte j holding weight j in its low nibble and weight j + 16 in its high one, as the
-// GGUF stores them; dm float32 [N, K / 32, 2] holds (d, m). x [T, K] bfloat16 contiguous, T at
-// most MAX_ROWS; K a multiple of 32. Returns [T, N] bfloat16.
+// Layout (made by models/q4.py, q4_mm_layout): qw uint8 [N, K / 2] in groups of 16 columns, each
+// group 32 bytes per 4 k's (see `groups`); dm float32 [N / 16, K / 32, 2, 16], per group and
+// block the 16 d's, then the 16 (m - 128 d)'s. x [T, K] bfloat16 contiguous, any T; K a
+// multiple of 32, N of 16. Returns [T, N] bfloat16.
 //
 // Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU); elsewhere
-// the op is not registered and the engine keeps torch's int4 kernel (models/native.py).
+// this file compiles to nothing, native.py registers a stub of the name, and the engine keeps
+// torch's int4 kernel.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
