@@ -267,7 +267,7 @@ class Decoder(nn.Module):
         sin = self.sin[at.positions].to(dtype).unsqueeze(1)
         if self.stack_fn is not None and at.kind == "decode" and x.shape[0] <= self.layers[0].wqkv.max_int4_rows:
             cfg = self.cfg
-            return self.stack_fn(x, self.stack_weights, cfg.rms_norm_eps, self.layers[0].wqkv.group, kv.k, kv.v,
+            return self.stack_fn(x, self.stack_weights, cfg.rms_norm_eps, kv.k, kv.v,
                                  list(at.slots), list(at.lengths), at.slot_index, at.write_rows, cos, sin,
                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim),
                                  at.native, self.layers[0].wqkv.ours)

@@ -159,7 +159,7 @@ def torch_decode_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Ten
 
 
 def load() -> bool:
-    """Register caldrix::decode_attend in this process, once; whether it is the compiled kernel.
+    """Register the caldrix ops in this process, once; whether they are the compiled kernels.
     Blocks while compiling (first use on a machine) or while another process compiles."""
     global _state
     with _lock:

@@ -102,10 +102,12 @@ def set_max_int4_rows(model: nn.Module, rows: int) -> None:
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, ours: bool) -> torch.Tensor:
-    """x [T, K] bf16 -> [T, N] bf16 through the kernel the weights were laid out for."""
+    """x [T, K] bf16 -> [T, N] bf16 through the kernel the weights were laid out for; q4_mm
+    takes a contiguous x only. The scripted decode layers (scripted.py) call it too, hence
+    GROUP written out as 32: TorchScript takes no module globals."""
     if ours:
-        return torch.ops.caldrix.q4_mm(x.contiguous(), packed, scale_zero)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
+        return torch.ops.caldrix.q4_mm(x, packed, scale_zero)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zero)
 
 
 def ours_fits(n: int, k: int) -> bool:
@@ -143,7 +145,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.max_int4_rows:
             return torch.nn.functional.linear(x, self.dense)
-        return int4_mm(x, self.packed, self.scale_zero, self.ours)
+        return int4_mm(x.contiguous(), self.packed, self.scale_zero, self.ours)
 
 
 class Q8AsInt4Linear(nn.Module):
@@ -176,6 +178,7 @@ class Q8AsInt4Linear(nn.Module):
         self.register_buffer("lo_scale_zero", lo_sz)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
         hi = int4_mm(x, self.hi_packed, self.hi_scale_zero, self.ours)
         return hi.float() + int4_mm(x, self.lo_packed, self.lo_scale_zero, self.ours).float()
 

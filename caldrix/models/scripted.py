@@ -26,18 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from caldrix.models.q4 import int4_mm
+
 log = logging.getLogger("caldrix.engine")
 
 
-def _mm(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, ours: bool) -> Tensor:
-    """q4.int4_mm: caldrix::q4_mm (models/q4mm.cpp) or torch's int4 kernel, as the weights were laid out."""
-    if ours:
-        return torch.ops.caldrix.q4_mm(x, packed, scale_zero)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zero)
-
-
 def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tensor, qkv_sz: Tensor, wo_p: Tensor,
-                wo_sz: Tensor, gu_p: Tensor, gu_sz: Tensor, dn_p: Tensor, dn_sz: Tensor, group: int, K: Tensor,
+                wo_sz: Tensor, gu_p: Tensor, gu_sz: Tensor, dn_p: Tensor, dn_sz: Tensor, K: Tensor,
                 V: Tensor, slots: List[int], lengths: List[int], slot_index: Tensor, write_rows: Tensor,
                 cos: Tensor, sin: Tensor, h: int, g: int, e: int, scale: float, native: bool, ours: bool) -> Tensor:
     """One layer for T decode rows: x [T, D] -> [T, D]. Row i belongs to slots[i] at position
@@ -47,14 +42,14 @@ def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tens
     T, d = x.shape[0], x.shape[1]
     if native:  # Block._decode_native: norm, RoPE and attention in the compiled kernels
         hn = torch.ops.caldrix.decode_norm(x, in_w, eps)
-        qkv = _mm(hn, qkv_p, qkv_sz, group, ours)  # [T, (H+2G)E]
+        qkv = int4_mm(hn, qkv_p, qkv_sz, ours)  # [T, (H+2G)E]
         att = torch.ops.caldrix.decode_rope_attend(qkv, cos, sin, K, V, slots, lengths, h, scale)
-        x = x + _mm(att, wo_p, wo_sz, group, ours)
+        x = x + int4_mm(att, wo_p, wo_sz, ours)
         hn = torch.ops.caldrix.decode_norm(x, post_w, eps)
-        gate, up = _mm(hn, gu_p, gu_sz, group, ours).chunk(2, dim=-1)
-        return x + _mm(F.silu(gate) * up, dn_p, dn_sz, group, ours)
+        gate, up = int4_mm(hn, gu_p, gu_sz, ours).chunk(2, dim=-1)
+        return x + int4_mm(F.silu(gate) * up, dn_p, dn_sz, ours)
     hn = in_w * F.rms_norm(x.float(), [d], None, eps).to(x.dtype)
-    qkv = _mm(hn, qkv_p, qkv_sz, group, ours)  # [T, (H+2G)E]
+    qkv = int4_mm(hn, qkv_p, qkv_sz, ours)  # [T, (H+2G)E]
     qk, v = qkv.split([(h + g) * e, g * e], dim=-1)
     qk = qk.view(T, h + g, e)
     v = v.view(T, g, e)
@@ -80,20 +75,20 @@ def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tens
             else:
                 out.append(zero)
         att = torch.cat(out).reshape(T, h * e)
-    x = x + _mm(att, wo_p, wo_sz, group, ours)
+    x = x + int4_mm(att, wo_p, wo_sz, ours)
     hn = post_w * F.rms_norm(x.float(), [d], None, eps).to(x.dtype)
-    gate, up = _mm(hn, gu_p, gu_sz, group, ours).chunk(2, dim=-1)
-    return x + _mm(F.silu(gate) * up, dn_p, dn_sz, group, ours)
+    gate, up = int4_mm(hn, gu_p, gu_sz, ours).chunk(2, dim=-1)
+    return x + int4_mm(F.silu(gate) * up, dn_p, dn_sz, ours)
 
 
-def decode_stack(x: Tensor, weights: List[Tensor], eps: float, group: int, Ks: Tensor, Vs: Tensor,
+def decode_stack(x: Tensor, weights: List[Tensor], eps: float, Ks: Tensor, Vs: Tensor,
                  slots: List[int], lengths: List[int], slot_index: Tensor, write_rows: Tensor, cos: Tensor,
                  sin: Tensor, h: int, g: int, e: int, scale: float, native: bool, ours: bool) -> Tensor:
     """Every layer in turn: `decode_rows` per layer, one call from Python a pass. `weights`
     holds 10 tensors a layer (`stack_weights`); Ks, Vs are the whole cache [L, S, G, C, E]."""
     for i in range(len(weights) // 10):
         w = weights[10 * i : 10 * i + 10]
-        x = decode_rows(x, w[0], w[1], eps, w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], group, Ks[i], Vs[i],
+        x = decode_rows(x, w[0], w[1], eps, w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], Ks[i], Vs[i],
                         slots, lengths, slot_index, write_rows, cos, sin, h, g, e, scale, native, ours)
     return x
 
