@@ -79,12 +79,18 @@ def _build(cxx: str, out: Path) -> None:
         libs = library_paths()
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cxx, *FLAGS, *map(str, SOURCES), "-o", tmp, *(f"-I{p}" for p in include_paths()),
-               *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
+        rest = [*map(str, SOURCES), "-o", tmp, *(f"-I{p}" for p in include_paths()), *(f"-L{p}" for p in libs),
+                *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True)
+            r = subprocess.run([cxx, *FLAGS, *rest], capture_output=True, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"{cxx} exited {r.returncode}: {r.stderr.strip()[-2000:]}")
+                # A compiler without OpenMP (Apple clang without libomp): the same kernels, whose
+                # at::parallel_for then runs on one thread.
+                serial = subprocess.run([cxx, *(f for f in FLAGS if f != "-fopenmp"), *rest], capture_output=True,
+                                        text=True)
+                if serial.returncode != 0:
+                    raise RuntimeError(f"{cxx} exited {r.returncode}: {r.stderr.strip()[-2000:]}")
+                log.warning("decode kernels built without OpenMP (%s failed with -fopenmp): one thread each", cxx)
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):
