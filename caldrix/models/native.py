@@ -152,16 +152,19 @@ def torch_decode_rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                              V: torch.Tensor, slots: List[int], lengths: List[int], heads: int,
                              scale: float) -> torch.Tensor:
     """qkv [T, (H+2G)E], cos, sin [T, 1, E] -> [T, H * E]: split, RoPE, then decode_attend."""
+    from caldrix.models.decoder import apply_rope
+
     T, (g, e) = qkv.shape[0], (K.shape[1], K.shape[3])
     qk, v = qkv.split([(heads + g) * e, g * e], dim=-1)
-    qk = qk.view(T, heads + g, e)
-    qk = qk * cos.view(T, 1, e) + qk.roll(e // 2, dims=-1) * sin.view(T, 1, e)  # decoder.apply_rope
+    qk = apply_rope(qk.view(T, heads + g, e), cos.view(T, 1, e), sin.view(T, 1, e))
     return torch.ops.caldrix.decode_attend(qk[:, :heads], qk[:, heads:], v.view(T, g, e), K, V, slots, lengths, scale)
 
 
 def torch_decode_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """decoder.RMSNorm's computation: x [T, D] -> [T, D]."""
-    return w * F.rms_norm(x.float(), [x.shape[-1]], None, eps).to(x.dtype)
+    from caldrix.models.decoder import rms_norm
+
+    return rms_norm(x, w, eps)
 
 
 def load() -> bool:
