@@ -78,6 +78,18 @@ def q4_mm_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[tor
     return qw, dm.contiguous()
 
 
+def q4_mm_f32_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int32 [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm_f32's operands
+    (q4mm_f32.cpp): nibbles uint8 [N, K / 2] in 8-column groups, 32 bytes per 8 k's (dword c:
+    column c's nibbles, k j at bits 4j, little-endian); d and m float32 [N / 8, K / GROUP, 2, 8]."""
+    n, k = q.shape
+    g = q.view(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3)  # [groups, k / 8, column, k within 8]
+    pairs = g[..., 0::2] | (g[..., 1::2] << 4)  # byte i of a dword: k 2i low, k 2i + 1 high
+    qw = pairs.to(torch.uint8).reshape(n, k // 2).contiguous()
+    dm = torch.stack([d.float(), m.float()]).view(2, n // 8, 8, k // GROUP).permute(1, 3, 0, 2)
+    return qw, dm.contiguous()
+
+
 def script_decode_rows(model: nn.Module) -> bool:
     """Where every layer's four projections are 4-bit and no layer has q/k norms, give the
     model the scripted decode path through all its layers (models/scripted.py). Whether it did."""
