@@ -65,7 +65,7 @@ class Engine:
         model.setup_rope(context)
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
         self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (models/q4.py)
-        self.int4_ours = False  # the 4-bit matmuls run caldrix::q4_mm (models/q4mm.cpp), not torch's kernel
+        self.int4_ours = False  # the 4-bit matmuls run caldrix's kernel (q4mm.cpp, q4mm_f32.cpp), not torch's
         self.can_verify = False  # set by check_verify(), which speculation runs once at start
         self.scripted_rows = False  # decode-form layers run as one TorchScript call (models/scripted.py)
         # Decode-form attention through the compiled kernel (models/native.py), for every decode
@@ -80,14 +80,16 @@ class Engine:
     def load(cls, path: Path, *, dtype: torch.dtype, max_batch: int, context: int | None, device: str = "cpu",
              int4_from: Path | None = None) -> "Engine":
         """Load a Hugging Face directory. `int4_from`: the GGUF the directory was converted
-        from; its Q4_1 projections then stay 4-bit (bfloat16 on the CPU only)."""
+        from; its Q4_1 projections then stay 4-bit (the CPU only: bfloat16, or float32 where
+        caldrix::q4_mm_f32 is built)."""
         model = load_decoder(path, dtype, device)
         engine_int4 = 0
         if int4_from is not None:
             from caldrix.models import q4
 
-            if dtype is not torch.bfloat16 or device != "cpu" or not q4.available():
-                raise ValueError("4-bit weights need --dtype bfloat16 on the cpu lane")
+            if not q4.runs_4bit(dtype, device):
+                raise ValueError("4-bit weights need the cpu lane and --dtype bfloat16, or float32 on a CPU with "
+                                 "AVX2 and FMA")
             engine_int4 = q4.quantize_from_gguf(model, int4_from)
         ctx = min(model.cfg.max_positions, 8192) if context is None else context
         engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=not engine_int4)
@@ -144,8 +146,9 @@ class Engine:
         property of the kernel torch picks for this dtype, device and CPU (on the development
         machine bf16 dense and 4-bit do, float32 dense does not). The probe decodes nine rows
         one step at a time, then recomputes them as one verify pass, at every thread count a
-        step may get, and compares the logits bit for bit. It writes slot 0 only, before the
-        scheduler has admitted anything, and leaves the slot empty."""
+        decode step may get (one, besides the engine's, only where the lanes overlap), and
+        compares the logits bit for bit. It writes slot 0 only, before the scheduler has
+        admitted anything, and leaves the slot empty."""
         if self.pad_decode:
             return "a batched dense engine pads its decode steps, so its rows are not a one-row step's"
         g = torch.Generator().manual_seed(0)
@@ -160,7 +163,8 @@ class Engine:
             self.model(torch.tensor(prompt), Attend("prefill", (0,), torch.arange(start), torch.arange(start)), self.kv)
             one = torch.cat([self.model.logits(self._decode([Run(0, start + i, (t,), (0,))]))
                              for i, t in enumerate(rows)])
-            for threads in sorted({1, self.threads_for(0)}):
+            # The thread counts a decode step gets: the engine's, and one where the lanes overlap.
+            for threads in sorted({self.threads_for(0)} | ({1} if self.overlap_lanes else set())):
                 torch.set_num_threads(threads)
                 run = Run(0, start, tuple(rows), tuple(range(len(rows))), verify=True)
                 many = self.model.logits(self._decode([run]))

@@ -80,14 +80,13 @@ class Runtime:
 
 
 def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | None:
-    """--weights auto keeps a GGUF's 4-bit blocks when the engine can run them: bfloat16 on
-    the cpu lane. --weights dense always uses the dequantized weights."""
-    import torch
-
+    """--weights auto keeps a GGUF's 4-bit blocks when the engine can run them: the cpu lane,
+    bfloat16, or float32 where caldrix::q4_mm_f32 is built. --weights dense always uses the
+    dequantized weights."""
     from caldrix.models import q4
     from caldrix.models.gguf import source_gguf
 
-    if cfg.weights != "auto" or lane != "cpu" or dtype is not torch.bfloat16 or not q4.available():
+    if cfg.weights != "auto" or lane != "cpu" or not q4.runs_4bit(dtype, "cpu"):
         return None
     return source_gguf(model_dir)
 

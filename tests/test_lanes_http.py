@@ -58,9 +58,14 @@ def test_a_long_prompt_arriving_mid_stream_changes_no_reply(server, smollm2_dir)
 
     assert "".join(pieces) == short_alone
     assert long_reply["choices"][0]["text"] == long_alone
-    # the engine these lanes overlap on: bfloat16 with the 4-bit blocks
-    assert "caldrix: dtype bfloat16, 120 projections kept as 4-bit GGUF blocks" in server.stderr
-    assert "prefill chunks of 128 beside decode steps, one core each" in server.stderr
+    from caldrix.engine import cpu_has_native_bf16
+
+    if cpu_has_native_bf16():  # the engine these lanes overlap on: bfloat16 with the 4-bit blocks
+        assert "caldrix: dtype bfloat16, 120 projections kept as 4-bit GGUF blocks" in server.stderr
+        assert "prefill chunks of 128 beside decode steps, one core each" in server.stderr
+    else:  # float32 (caldrix::q4_mm_f32): chunks take turns with decode steps, one step at a time
+        assert "caldrix: dtype float32, 120 projections kept as 4-bit GGUF blocks" in server.stderr
+        assert "prefill chunks of 128 between decode steps" in server.stderr
 
 
 def test_a_repeated_prompt_gets_its_reply_again_from_the_held_rows(server, smollm2_dir):

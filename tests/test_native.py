@@ -188,6 +188,66 @@ def test_q4_mm_refuses_what_it_cannot_take(q4_mm):
     assert not q4.ours_fits(24, 64) and not q4.ours_fits(32, 48) and q4.ours_fits(32, 64)
 
 
+@pytest.fixture(scope="module")
+def q4_mm_f32(op):
+    if not native.has_q4_mm_f32():
+        pytest.skip("caldrix::q4_mm_f32 is built only for CPUs with AVX2 and FMA")
+    return torch.ops.caldrix.q4_mm_f32
+
+
+@pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536), (968, 576)])
+def test_q4_mm_f32_follows_the_dequantized_weights(q4_mm_f32, n, k):
+    from caldrix.models import q4
+
+    q, d, m, w = q4_weights(n, k)
+    qw, dm = q4.q4_mm_f32_layout(q, d, m)
+    gen = torch.Generator().manual_seed(4)
+    for T in (1, 2, 3, 5, 9, 20):  # every row tile (1-4), and more rows than one pass takes (8)
+        x = torch.randn(T, k, generator=gen)
+        want = x.double() @ w.double().T
+        got = q4_mm_f32(x, qw, dm)
+        assert got.shape == (T, n) and got.dtype == torch.float32
+        # float32 sums of float32 products over k: off by a few float32 roundings of the sum
+        assert (got.double() - want).abs().max() <= 2 ** -18 * want.abs().max()
+
+
+def test_q4_mm_f32_rows_depend_on_themselves_alone(q4_mm_f32):
+    from caldrix.models import q4
+
+    q, d, m, _ = q4_weights(1032, 576)  # 129 column groups: the interleaved passes leave a tail
+    qw, dm = q4.q4_mm_f32_layout(q, d, m)
+    x = torch.randn(12, 576, generator=torch.Generator().manual_seed(5))
+    saved = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(q4_mm_f32(x, qw, dm))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0], outs[1])
+    for i in range(12):
+        assert torch.equal(q4_mm_f32(x[i : i + 1], qw, dm)[0], outs[0][i])
+    assert torch.equal(q4_mm_f32(x[3:10], qw, dm), outs[0][3:10])
+    assert torch.equal(q4_mm_f32(x[1:3], qw, dm), outs[0][1:3])
+
+
+def test_q4_mm_f32_refuses_what_it_cannot_take(q4_mm_f32):
+    from caldrix.models import q4
+
+    q, d, m, _ = q4_weights(24, 64)
+    qw, dm = q4.q4_mm_f32_layout(q, d, m)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        q4_mm_f32(x.bfloat16(), qw, dm)
+    with pytest.raises(RuntimeError, match="K / 2"):
+        q4_mm_f32(torch.randn(2, 96), qw, dm)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        q4_mm_f32(x, qw[:20], dm)
+    f32 = torch.float32
+    assert not q4.ours_fits(20, 64, f32) and not q4.ours_fits(24, 48, f32) and q4.ours_fits(24, 64, f32)
+
+
 def test_bad_calls_are_errors_that_name_the_problem(op):
     q, k, v, K, V = make(2)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -204,7 +264,7 @@ def test_without_the_kernel_the_op_is_the_torch_definition(tmp_path):
     code = (
         "import torch\n"
         "from caldrix.models import native\n"
-        "assert native.load() is False and native.has_q4_mm() is False\n"
+        "assert native.load() is False and native.has_q4_mm() is False and native.has_q4_mm_f32() is False\n"
         "q = torch.randn(2, 9, 64).bfloat16(); k = torch.randn(2, 3, 64).bfloat16(); v = k.clone()\n"
         "K = torch.zeros(2, 3, 16, 64).bfloat16(); V = K.clone()\n"
         "K2, V2 = K.clone(), V.clone()\n"

@@ -33,13 +33,15 @@ import torch.nn.functional as F
 
 log = logging.getLogger("caldrix.engine")
 
-# attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has AVX512-BF16
-SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp")]
+# attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has
+# AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2 and FMA
+SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
 _lock = threading.Lock()
 _state: str | None = None  # "native" | "torch", once decided
 _q4_mm = False  # whether the compiled library holds caldrix::q4_mm (q4mm.cpp)
+_q4_mm_f32 = False  # and caldrix::q4_mm_f32 (q4mm_f32.cpp)
 
 
 def _cpu_fingerprint() -> str:
@@ -108,17 +110,22 @@ def _define_torch_fallback() -> None:
     lib.impl("decode_rope_attend", torch_decode_rope_attend, "CPU")
     lib.impl("decode_norm", torch_decode_norm, "CPU")
     _define_torch_fallback.lib = lib  # keep the registration alive
-    _define_q4_mm_stub()
+    _define_q4_mm_stub("q4_mm")
+    _define_q4_mm_stub("q4_mm_f32")
 
 
-def _define_q4_mm_stub() -> None:
-    """caldrix::q4_mm where q4mm.cpp was not built (no AVX512-BF16, or no kernels at all): the
-    name must exist for the scripted layers (models/scripted.py), which only call it where
-    `has_q4_mm()` said it is the compiled kernel."""
+_stubs = []  # keeps the stub registrations alive
+
+
+def _define_q4_mm_stub(name: str) -> None:
+    """caldrix::q4_mm or q4_mm_f32 where its source was not built (the CPU lacks AVX512-BF16,
+    or AVX2 and FMA, or there are no kernels at all): the name must exist for the scripted
+    layers (models/scripted.py), which only call it where `has_q4_mm()` or `has_q4_mm_f32()`
+    said it is the compiled kernel."""
     lib = torch.library.Library("caldrix", "FRAGMENT")
-    lib.define("q4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor")
-    lib.impl("q4_mm", _no_q4_mm, "CPU")
-    _define_q4_mm_stub.lib = lib
+    lib.define(f"{name}(Tensor x, Tensor qw, Tensor dm) -> Tensor")
+    lib.impl(name, _no_q4_mm, "CPU")
+    _stubs.append(lib)
 
 
 def _has_op(name: str) -> bool:
@@ -130,7 +137,8 @@ def _has_op(name: str) -> bool:
 
 
 def _no_q4_mm(x: torch.Tensor, qw: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    raise NotImplementedError("caldrix::q4_mm needs the compiled kernel (an AVX512-BF16 CPU)")
+    raise NotImplementedError("caldrix's 4-bit kernel was not compiled for this CPU (q4_mm: AVX512-BF16, "
+                              "q4_mm_f32: AVX2 and FMA)")
 
 
 def torch_decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
@@ -188,10 +196,12 @@ def load() -> bool:
                         _build(cxx, out)
                     torch.ops.load_library(str(out))
                     _state = "native"
-                    global _q4_mm
+                    global _q4_mm, _q4_mm_f32
                     _q4_mm = _has_op("q4_mm")  # q4mm.cpp is empty without AVX512-BF16
-                    if not _q4_mm:
-                        _define_q4_mm_stub()
+                    _q4_mm_f32 = _has_op("q4_mm_f32")  # q4mm_f32.cpp without AVX2 and FMA
+                    for name, built in (("q4_mm", _q4_mm), ("q4_mm_f32", _q4_mm_f32)):
+                        if not built:
+                            _define_q4_mm_stub(name)
                 except Exception as exc:  # noqa: BLE001 -- the torch definition below always works
                     log.warning("decode attention: torch; the kernel did not build or load (%s)", exc)
             if _state == "torch":
@@ -203,6 +213,12 @@ def has_q4_mm() -> bool:
     """Whether the compiled caldrix::q4_mm (q4mm.cpp) is here: built only for CPUs with
     AVX512-BF16, and never in the torch fallback (torch's int4 kernel serves there)."""
     return load() and _q4_mm
+
+
+def has_q4_mm_f32() -> bool:
+    """Whether the compiled caldrix::q4_mm_f32 (q4mm_f32.cpp) is here: built for CPUs with
+    AVX2 and FMA; without it a float32 engine keeps dense weights."""
+    return load() and _q4_mm_f32
 
 
 def usable(dtype: torch.dtype, head_dim: int, device) -> bool:

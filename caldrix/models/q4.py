@@ -1,11 +1,13 @@
 """Keep a GGUF's Q4_1 blocks 4-bit for the matmul, no re-quantizing.
 
 A Q4_1 block holds 32 weights of one row as w = d * q + m, with q in 0..15 and d, m float16.
-Two kernels take them as they are. caldrix::q4_mm (q4mm.cpp, CPUs with AVX512-BF16) reads the
-nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float32. torch's int4
-weight-only kernel computes w = (q - 8) * scale + zero per group, so the GGUF's q values go in
-unchanged with scale = d and zero = m + 8 d, rounded to bfloat16, the kernel's dtype. Either
-way the activations are bfloat16, which is why this path is taken only for a bfloat16 engine.
+Three kernels take them as they are. caldrix::q4_mm (q4mm.cpp, CPUs with AVX512-BF16) reads
+the nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float32, for
+bfloat16 rows. caldrix::q4_mm_f32 (q4mm_f32.cpp, CPUs with AVX2 and FMA) does the same for
+float32 rows, in another layout (`q4_mm_f32_layout`): the engine of a CPU without native
+bfloat16. torch's int4 weight-only kernel computes w = (q - 8) * scale + zero per group, so the
+GGUF's q values go in unchanged with scale = d and zero = m + 8 d, rounded to bfloat16, the
+kernel's dtype; it serves a bfloat16 engine where q4_mm is not built.
 
 llama.cpp's converter stores the q and k projections with their rows permuted (for its
 interleaved RoPE); rows move whole, blocks and all, so undoing it is a row gather.
@@ -31,6 +33,16 @@ Q8_0_BYTES = 34
 
 def available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def runs_4bit(dtype: torch.dtype, device: str) -> bool:
+    """Whether an engine of this dtype on this device can keep the 4-bit blocks: on the CPU,
+    bfloat16 (caldrix::q4_mm or torch's kernel), or float32 through caldrix::q4_mm_f32."""
+    if device != "cpu":
+        return False
+    if dtype == torch.bfloat16:
+        return available()
+    return dtype == torch.float32 and native.has_q4_mm_f32()
 
 
 def unpack_q4_1(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,36 +126,48 @@ def set_max_int4_rows(model: nn.Module, rows: int) -> None:
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, ours: bool) -> torch.Tensor:
-    """x [T, K] bf16 -> [T, N] bf16 through the kernel the weights were laid out for; q4_mm
-    takes a contiguous x only. The scripted decode layers (scripted.py) call it too, hence
+    """x [T, K] -> [T, N], x's dtype, through the kernel the weights were laid out for: with
+    `ours`, caldrix's own for x's dtype (q4_mm for bfloat16, q4_mm_f32 for float32; contiguous x
+    only), else torch's (bfloat16). The scripted decode layers (scripted.py) call it too, hence
     GROUP written out as 32: TorchScript takes no module globals."""
     if ours:
+        if x.dtype == torch.float32:
+            return torch.ops.caldrix.q4_mm_f32(x, packed, scale_zero)
         return torch.ops.caldrix.q4_mm(x, packed, scale_zero)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zero)
 
 
-def ours_fits(n: int, k: int) -> bool:
-    """Whether caldrix::q4_mm can take an [n, k] weight: 16-column groups, whole blocks."""
-    return n % 16 == 0 and k % GROUP == 0
+def ours_fits(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether caldrix's kernel for `dtype` can take an [n, k] weight: whole blocks, and
+    column groups of 16 (q4_mm) or 8 (q4_mm_f32)."""
+    return n % (8 if dtype == torch.float32 else 16) == 0 and k % GROUP == 0
+
+
+def layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """caldrix's kernel operands for activations of `dtype` (see q4_mm_layout, q4_mm_f32_layout)."""
+    return (q4_mm_f32_layout if dtype == torch.float32 else q4_mm_layout)(q, d, m)
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T with W held as packed 4-bit groups (bfloat16 activations).
+    """y = x @ W.T with W held as packed 4-bit groups (activations of `dtype`).
 
-    `ours`: the weights are laid out for caldrix::q4_mm (models/q4mm.cpp), else for torch's int4
-    weight-only kernel; `packed` and `scale_zero` hold that kernel's operands either way. An
+    `ours`: the weights are laid out for caldrix's kernel for `dtype` (q4_mm, models/q4mm.cpp,
+    for bfloat16; q4_mm_f32, q4mm_f32.cpp, for float32), else for torch's int4 weight-only
+    kernel (bfloat16 only); `packed` and `scale_zero` hold that kernel's operands either way. An
     engine picks one kernel for all its layers (quantize_from_gguf): the two round differently.
     Calls of more than `max_int4_rows` rows (prefill chunks) use `dense`, the same weights
     dequantized, when one is given: compute-bound work is faster there."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None,
-                 ours: bool = False):
+                 ours: bool = False, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         # q [N, K] int32 in 0..15; d, m [N, K / GROUP]
         self.out_features, self.in_features = q.shape
         self.ours = ours
         if ours:
-            packed, scale_zero = q4_mm_layout(q, d, m)
+            packed, scale_zero = layout(q, d, m, dtype)
+        elif dtype != torch.bfloat16:
+            raise ValueError("torch's int4 kernel takes bfloat16 activations; float32 needs caldrix::q4_mm_f32")
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
             scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K / GROUP, N, 2]
@@ -171,14 +195,16 @@ class Q8AsInt4Linear(nn.Module):
     caldrix::q4_mm (d float32): 0.55 ms a row and 1.6 ms at 8 rows on another machine, where
     the dense head took about 2.6 ms at 8, so every engine uses it."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, ours: bool = False):
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, ours: bool = False, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.ours = ours
+        if not ours and dtype != torch.bfloat16:
+            raise ValueError("torch's int4 kernel takes bfloat16 activations; float32 needs caldrix::q4_mm_f32")
 
         def half(nibbles, scale, zero):  # w = (nibble - 8) * scale + zero
             if ours:  # as Q4_1: w = scale * nibble + (zero - 8 scale)
-                return q4_mm_layout(nibbles, scale, zero - 8 * scale)
+                return layout(nibbles, scale, zero - 8 * scale, dtype)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.contiguous(), 1)
             return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
 
@@ -203,7 +229,11 @@ def head_from_gguf(model: nn.Module, gguf_path: Path) -> bool:
     if t is None or int(t.tensor_type) != Q8_0:
         return False
     q, d = unpack_q8_0(t.data, int(t.shape[0]))
-    model.head = Q8AsInt4Linear(q, d, ours=getattr(model, "int4_ours", False) and ours_fits(*q.shape))
+    dtype = model.norm.weight.dtype
+    ours = getattr(model, "int4_ours", False) and ours_fits(*q.shape, dtype)
+    if dtype != torch.bfloat16 and not ours:
+        return False
+    model.head = Q8AsInt4Linear(q, d, ours=ours, dtype=dtype)
     return True
 
 
@@ -230,19 +260,24 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
         ts = [tensors.get(name) for name in names]
         if any(t is None or int(t.tensor_type) != Q4_1 for t in ts):
             return True  # stays dense: no say in the kernel
-        return ours_fits(sum(int(t.shape[1]) for t in ts), int(ts[0].shape[0]))
+        return ours_fits(sum(int(t.shape[1]) for t in ts), int(ts[0].shape[0]), dtype)
 
     # One kernel for every 4-bit layer: caldrix's own where it is built and takes every shape.
-    ours = native.has_q4_mm() and all(
+    # A float32 model has no other (torch's int4 kernel is bfloat16 only).
+    dtype = model.norm.weight.dtype
+    built = native.has_q4_mm_f32() if dtype == torch.float32 else native.has_q4_mm()
+    ours = built and all(
         fits(*(f"blk.{i}.{n}.weight" for n in group))
         for i in range(len(model.layers))
         for group in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)))
     model.int4_ours = ours
+    if dtype != torch.bfloat16 and not ours:
+        return 0  # dense weights throughout
 
     def fused(dense: nn.Linear, *parts):
         if any(p is None for p in parts):
             return None
-        return Int4Linear(*(torch.cat(xs) for xs in zip(*parts)), dense=dense.weight, ours=ours)
+        return Int4Linear(*(torch.cat(xs) for xs in zip(*parts)), dense=dense.weight, ours=ours, dtype=dtype)
 
     swapped = 0
     for i, layer in enumerate(model.layers):
