@@ -14,6 +14,8 @@ import torch
 from caldrix.models import native
 
 H, G = 9, 3  # SmolLM2's query and kv heads
+BF16, F32 = torch.bfloat16, torch.float32
+DTYPES = pytest.mark.parametrize("dtype", [BF16, F32])  # a bf16 engine (AVX512-BF16 CPUs) and a float32 one
 
 
 @pytest.fixture(scope="module")
@@ -24,34 +26,39 @@ def op():
     return torch.ops.caldrix.decode_attend
 
 
-def make(T, e=64, h=H, g=G, slots=8, rows=1100, seed=0):
+def make(T, e=64, h=H, g=G, slots=8, rows=1100, seed=0, dtype=BF16):
     gen = torch.Generator().manual_seed(seed)
-    K = torch.randn(slots, g, rows, e, generator=gen).bfloat16()
-    V = torch.randn(slots, g, rows, e, generator=gen).bfloat16()
+    K = torch.randn(slots, g, rows, e, generator=gen).to(dtype)
+    V = torch.randn(slots, g, rows, e, generator=gen).to(dtype)
     # q, k, v as the model makes them: views into one fused projection row
-    qkv = (3 * torch.randn(T, (h + 2 * g) * e, generator=gen)).bfloat16()
+    qkv = (3 * torch.randn(T, (h + 2 * g) * e, generator=gen)).to(dtype)
     qk, v = qkv.split([(h + g) * e, g * e], dim=-1)
     qk, v = qk.view(T, h + g, e), v.view(T, g, e)
     return qk[:, :h], qk[:, h:], v, K, V
 
 
+@DTYPES
 @pytest.mark.parametrize("e,h,g", [(64, 9, 3), (128, 16, 8), (64, 4, 4)])
-def test_kernel_agrees_with_sdpa_and_writes_the_same_cache(op, e, h, g):
-    q, k, v, K, V = make(6, e, h, g)
+def test_kernel_agrees_with_sdpa_and_writes_the_same_cache(op, e, h, g, dtype):
+    q, k, v, K, V = make(6, e, h, g, dtype=dtype)
     slots, lengths = [0, 3, 5, 2, 7, 1], [1, 37, 200, 0, 1024, 5]  # a padding row among them
     K2, V2 = K.clone(), V.clone()
     want = native.torch_decode_attend(q, k, v, K2, V2, slots, lengths, e ** -0.5)
     got = op(q, k, v, K, V, slots, lengths, e ** -0.5)
     assert torch.equal(K, K2) and torch.equal(V, V2)
-    assert got.shape == (6, h * e) and got.dtype == torch.bfloat16
+    assert got.shape == (6, h * e) and got.dtype == dtype
     assert torch.equal(got[3], torch.zeros_like(got[3]))
-    # the two differ only in float rounding: bf16 outputs within a few bf16 ulps of |out| ~ 1
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    assert (got.float() - want.float()).abs().mean() < 2e-3
+    # The two differ only in float rounding: the sums of up to 1024 keys run in other orders.
+    # bf16 outputs within a few bf16 ulps (2^-8) of |out| ~ 1; float32 ones within a few
+    # hundred float32 ulps (2^-24), the rounding of a 1024-term sum.
+    tol, mean = (2e-2, 2e-3) if dtype is BF16 else (2e-5, 1e-6)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert (got.float() - want.float()).abs().mean() < mean
 
 
-def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(op):
-    q, k, v, K, V = make(8)
+@DTYPES
+def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(op, dtype):
+    q, k, v, K, V = make(8, dtype=dtype)
     slots, lengths = list(range(8)), [50, 80, 1000, 60, 200, 1050, 70, 150]  # long enough to split across threads
     saved = torch.get_num_threads()
     try:
@@ -67,29 +74,31 @@ def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(op):
         assert torch.equal(alone[0], outs[0][i])
 
 
-def test_verify_rows_of_one_slot_equal_one_row_calls_in_turn(op):
+@DTYPES
+def test_verify_rows_of_one_slot_equal_one_row_calls_in_turn(op, dtype):
     # A speculative verify: four rows of slot 2 at consecutive positions, each attending over
     # the keys its predecessors in the same call wrote.
-    q, k, v, K, V = make(4)
+    q, k, v, K, V = make(4, dtype=dtype)
     K1, V1 = K.clone(), V.clone()
     one = torch.cat([op(q[i : i + 1], k[i : i + 1], v[i : i + 1], K1, V1, [2], [41 + i], 0.125) for i in range(4)])
     many = op(q, k, v, K, V, [2] * 4, [41, 42, 43, 44], 0.125)
     assert torch.equal(one, many) and torch.equal(K, K1) and torch.equal(V, V1)
 
 
-def rope_inputs(T, e, h, g, seed=1):
+def rope_inputs(T, e, h, g, seed=1, dtype=BF16):
     gen = torch.Generator().manual_seed(seed)
-    qkv = (3 * torch.randn(T, (h + 2 * g) * e, generator=gen)).bfloat16()
+    qkv = (3 * torch.randn(T, (h + 2 * g) * e, generator=gen)).to(dtype)
     angle = torch.arange(T).unsqueeze(1) * torch.rand(e, generator=gen) * 50  # positions far apart
-    return qkv, angle.cos().bfloat16().unsqueeze(1), angle.sin().bfloat16().unsqueeze(1)  # [T, 1, E]
+    return qkv, angle.cos().to(dtype).unsqueeze(1), angle.sin().to(dtype).unsqueeze(1)  # [T, 1, E]
 
 
+@DTYPES
 @pytest.mark.parametrize("e,h,g", [(64, 9, 3), (128, 16, 8)])
-def test_rope_attend_is_split_rope_and_attend_bit_for_bit(op, e, h, g):
-    # The fused op's RoPE rounds as torch's bf16 elementwise ops round, so it is the torch
-    # path exactly: the same cache writes, the same outputs.
-    qkv, cos, sin = rope_inputs(5, e, h, g)
-    _, _, _, K, V = make(1, e, h, g)
+def test_rope_attend_is_split_rope_and_attend_bit_for_bit(op, e, h, g, dtype):
+    # The fused op's RoPE rounds as torch's elementwise ops round (for float32: no fused
+    # multiply-add), so it is the torch path exactly: the same cache writes, the same outputs.
+    qkv, cos, sin = rope_inputs(5, e, h, g, dtype=dtype)
+    _, _, _, K, V = make(1, e, h, g, dtype=dtype)
     K2, V2 = K.clone(), V.clone()
     slots, lengths = [0, 3, 5, 2, 7], [1, 37, 200, 0, 1024]
     want = native.torch_decode_rope_attend(qkv, cos, sin, K2, V2, slots, lengths, h, e ** -0.5)
@@ -99,14 +108,16 @@ def test_rope_attend_is_split_rope_and_attend_bit_for_bit(op, e, h, g):
         torch.ops.caldrix.decode_rope_attend(qkv, cos, sin, K, V, slots, lengths, h + 1, e ** -0.5)
 
 
-def test_norm_follows_torch_and_a_row_depends_on_itself_alone(op):
+@DTYPES
+def test_norm_follows_torch_and_a_row_depends_on_itself_alone(op, dtype):
     gen = torch.Generator().manual_seed(2)
-    x = (4 * torch.randn(16, 576, generator=gen)).bfloat16()
-    w = torch.randn(576, generator=gen).bfloat16()
+    x = (4 * torch.randn(16, 576, generator=gen)).to(dtype)
+    w = torch.randn(576, generator=gen).to(dtype)
     got = torch.ops.caldrix.decode_norm(x, w, 1e-5)
     want = native.torch_decode_norm(x, w, 1e-5)
-    # only the order of the float sum of squares differs: at most a bf16 ulp here and there
-    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    # Only the order of the float sum of squares (and how the root is taken) differs: at most
+    # an ulp of the dtype here and there, bf16's 2^-7 or float32's few 2^-23.
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7 if dtype is BF16 else 2 ** -21)
     saved = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -114,8 +125,10 @@ def test_norm_follows_torch_and_a_row_depends_on_itself_alone(op):
             assert torch.equal(torch.ops.caldrix.decode_norm(x[5:6], w, 1e-5)[0], got[5])
     finally:
         torch.set_num_threads(saved)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.caldrix.decode_norm(x.float(), w, 1e-5)
+    with pytest.raises(RuntimeError, match="x and w of one dtype"):
+        torch.ops.caldrix.decode_norm(x.half(), w.half(), 1e-5)
+    with pytest.raises(RuntimeError, match="x and w of one dtype"):
+        torch.ops.caldrix.decode_norm(x, w.double(), 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +263,10 @@ def test_q4_mm_f32_refuses_what_it_cannot_take(q4_mm_f32):
 
 def test_bad_calls_are_errors_that_name_the_problem(op):
     q, k, v, K, V = make(2)
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="bfloat16 or float32 CPU tensors only, all of one dtype"):
         op(q.float(), k, v, K, V, [0, 1], [3, 3], 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32 CPU tensors only"):
+        op(q.half(), k.half(), v.half(), K.half(), V.half(), [0, 1], [3, 3], 0.125)
     with pytest.raises(RuntimeError, match="row 1 is slot 1 length 5000"):
         op(q, k, v, K, V, [0, 1], [3, 5000], 0.125)
     with pytest.raises(RuntimeError, match="one slot and one length a row"):

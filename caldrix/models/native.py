@@ -222,5 +222,7 @@ def has_q4_mm_f32() -> bool:
 
 
 def usable(dtype: torch.dtype, head_dim: int, device) -> bool:
-    """Whether the compiled kernel serves an engine of this dtype, head dim and device."""
-    return dtype is torch.bfloat16 and head_dim in (64, 128) and torch.device(device).type == "cpu" and load()
+    """Whether the compiled kernels serve an engine of this dtype (bfloat16 or float32), head
+    dim and device."""
+    return (dtype in (torch.bfloat16, torch.float32) and head_dim in (64, 128) and torch.device(device).type == "cpu"
+            and load())
