@@ -18,6 +18,19 @@ BF16, F32 = torch.bfloat16, torch.float32
 DTYPES = pytest.mark.parametrize("dtype", [BF16, F32])  # a bf16 engine (AVX512-BF16 CPUs) and a float32 one
 
 
+def on_threads(fn):
+    """fn() on 1 and on 2 threads, the thread count restored after."""
+    saved = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(fn())
+        return outs
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def op():
     if native._compiler() is None:
@@ -60,14 +73,7 @@ def test_kernel_agrees_with_sdpa_and_writes_the_same_cache(op, e, h, g, dtype):
 def test_a_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(op, dtype):
     q, k, v, K, V = make(8, dtype=dtype)
     slots, lengths = list(range(8)), [50, 80, 1000, 60, 200, 1050, 70, 150]  # long enough to split across threads
-    saved = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs.append(op(q, k, v, K.clone(), V.clone(), slots, lengths, 0.125))
-    finally:
-        torch.set_num_threads(saved)
+    outs = on_threads(lambda: op(q, k, v, K.clone(), V.clone(), slots, lengths, 0.125))
     assert torch.equal(outs[0], outs[1])
     for i in (0, 2, 7):
         alone = op(q[i : i + 1], k[i : i + 1], v[i : i + 1], K.clone(), V.clone(), [slots[i]], [lengths[i]], 0.125)
@@ -118,13 +124,8 @@ def test_norm_follows_torch_and_a_row_depends_on_itself_alone(op, dtype):
     # Only the order of the float sum of squares (and how the root is taken) differs: at most
     # an ulp of the dtype here and there, bf16's 2^-7 or float32's few 2^-23.
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7 if dtype is BF16 else 2 ** -21)
-    saved = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            assert torch.equal(torch.ops.caldrix.decode_norm(x[5:6], w, 1e-5)[0], got[5])
-    finally:
-        torch.set_num_threads(saved)
+    for row in on_threads(lambda: torch.ops.caldrix.decode_norm(x[5:6], w, 1e-5)[0]):
+        assert torch.equal(row, got[5])
     with pytest.raises(RuntimeError, match="x and w of one dtype"):
         torch.ops.caldrix.decode_norm(x.half(), w.half(), 1e-5)
     with pytest.raises(RuntimeError, match="x and w of one dtype"):
@@ -172,14 +173,7 @@ def test_q4_mm_rows_depend_on_themselves_alone(q4_mm):
     q, d, m, _ = q4_weights(1024, 576)
     qw, dm = q4.q4_mm_layout(q, d, m)
     x = torch.randn(12, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
-    saved = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs.append(q4_mm(x, qw, dm))
-    finally:
-        torch.set_num_threads(saved)
+    outs = on_threads(lambda: q4_mm(x, qw, dm))
     assert torch.equal(outs[0], outs[1])
     for i in (0, 7, 8, 11):  # either side of the 8-row passes
         assert torch.equal(q4_mm(x[i : i + 1], qw, dm)[0], outs[0][i])
@@ -230,14 +224,7 @@ def test_q4_mm_f32_rows_depend_on_themselves_alone(q4_mm_f32):
     q, d, m, _ = q4_weights(1032, 576)  # 129 column groups: the interleaved passes leave a tail
     qw, dm = q4.q4_mm_f32_layout(q, d, m)
     x = torch.randn(12, 576, generator=torch.Generator().manual_seed(5))
-    saved = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs.append(q4_mm_f32(x, qw, dm))
-    finally:
-        torch.set_num_threads(saved)
+    outs = on_threads(lambda: q4_mm_f32(x, qw, dm))
     assert torch.equal(outs[0], outs[1])
     for i in range(12):
         assert torch.equal(q4_mm_f32(x[i : i + 1], qw, dm)[0], outs[0][i])
