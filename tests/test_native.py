@@ -282,3 +282,52 @@ def test_without_the_kernel_the_op_is_the_torch_definition(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
     assert not (tmp_path / "kernels").exists()  # nothing was compiled
+
+
+def _failing_compiler(tmp_path):
+    """A CXX that fails the way a broken toolchain does: an error on stderr, exit 1."""
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text("#!/bin/sh\necho 'attend.cpp:1:10: fatal error: torch/extension.h: no such file' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    return cxx
+
+
+def test_a_failed_build_is_a_start_up_note_and_the_ops_still_answer(tmp_path):
+    # A failed build must not pass for the kernels: the start-up says so, in one line naming
+    # the compiler's error, and the torch definitions answer the same calls.
+    code = (
+        "import torch\n"
+        "from caldrix.models import native\n"
+        "from caldrix.runtime import kernel_notes\n"
+        "assert native.load() is False\n"
+        "notes = kernel_notes('cpu')\n"
+        "assert kernel_notes('cuda') == () and kernel_notes('host') == ()\n"
+        "x = torch.randn(2, 64); w = torch.randn(64)\n"
+        "assert torch.equal(torch.ops.caldrix.decode_norm(x, w, 1e-5), native.torch_decode_norm(x, w, 1e-5))\n"
+        "print(repr(notes))\n"
+    )
+    cxx = _failing_compiler(tmp_path)
+    env = {**os.environ, "CXX": str(cxx), "CALDRIX_CACHE": str(tmp_path / "cache")}
+    env.pop("CALDRIX_NATIVE", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    notes = eval(r.stdout.strip())
+    assert len(notes) == 1
+    assert "the compiled decode kernels are off" in notes[0]
+    assert "did not build or load" in notes[0] and "torch/extension.h: no such file" in notes[0]
+    assert not list((tmp_path / "cache" / "kernels").glob("*/attend.so"))
+
+
+def test_a_server_without_its_kernels_says_so_and_serves(tmp_path, smollm2_dir):
+    import httpx
+    from server_harness import ServerProcess
+
+    env = {"CXX": str(_failing_compiler(tmp_path)), "CALDRIX_CACHE": str(tmp_path / "cache")}
+    with ServerProcess.start(smollm2_dir, "--dtype", "float32", "--weights", "dense", env=env) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": smollm2_dir.name, "prompt": "The capital of France is",
+                                                           "max_tokens": 4, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        notes = [ln for ln in srv.stderr.splitlines() if ln.startswith("caldrix: note: the compiled decode kernels")]
+        assert len(notes) == 1, srv.stderr
+        assert "torch/extension.h" in notes[0] and "several times slower" in notes[0]

@@ -40,6 +40,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "
 
 _lock = threading.Lock()
 _state: str | None = None  # "native" | "torch", once decided
+_why_torch: str | None = None  # why the kernels are not in use, once decided (None where they are)
 _q4_mm = False  # whether the compiled library holds caldrix::q4_mm (q4mm.cpp)
 _q4_mm_f32 = False  # and caldrix::q4_mm_f32 (q4mm_f32.cpp)
 
@@ -178,15 +179,17 @@ def torch_decode_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Ten
 def load() -> bool:
     """Register the caldrix ops in this process, once; whether they are the compiled kernels.
     Blocks while compiling (first use on a machine) or while another process compiles."""
-    global _state
+    global _state, _why_torch
     with _lock:
         if _state is None:
             _state = "torch"
             cxx = _compiler()
             if os.environ.get("CALDRIX_NATIVE", "1") == "0":
+                _why_torch = "CALDRIX_NATIVE=0"
                 log.info("decode attention: torch (CALDRIX_NATIVE=0)")
             elif cxx is None:
-                log.warning("decode attention: torch; no C++ compiler found (set CXX) for the faster kernel")
+                _why_torch = "no C++ compiler found (install g++ or set CXX)"
+                log.warning("decode attention: torch; %s for the faster kernel", _why_torch)
             else:
                 from caldrix.models.gguf import cache_root
 
@@ -203,10 +206,27 @@ def load() -> bool:
                         if not built:
                             _define_q4_mm_stub(name)
                 except Exception as exc:  # noqa: BLE001 -- the torch definition below always works
+                    _why_torch = f"the kernels did not build or load: {_first_line(exc)}"
                     log.warning("decode attention: torch; the kernel did not build or load (%s)", exc)
             if _state == "torch":
                 _define_torch_fallback()
         return _state == "native"
+
+
+def why_torch() -> str | None:
+    """Why this process runs the torch definitions instead of the compiled kernels, in one
+    line for the start-up (runtime.announce); None where the kernels loaded. Calls `load()`."""
+    load()
+    return _why_torch
+
+
+def _first_line(exc: BaseException) -> str:
+    """A compiler's error is many lines; the start-up shows the first that names an error."""
+    text = str(exc).strip() or type(exc).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    head = lines[0]
+    errors = [ln for ln in lines[1:] if "error" in ln.lower()]
+    return (f"{head} {errors[0]}" if errors else head)[:300]
 
 
 def has_q4_mm() -> bool:
