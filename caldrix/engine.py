@@ -29,6 +29,8 @@ from caldrix.sampler import greedy_batch, pick
 log = logging.getLogger("caldrix")
 
 PARALLEL_PREFILL_TOKENS = 256  # prompt tokens in a step from which every core is used
+# check_lanes() probes a prefill chunk of the default --prefill-chunk and an uneven tail.
+LANE_PROBE_CHUNK, LANE_PROBE_TAIL = 128, 37
 
 
 def cpu_has_native_bf16() -> bool:
@@ -67,6 +69,9 @@ class Engine:
         self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (models/q4.py)
         self.int4_ours = False  # the 4-bit matmuls run caldrix's kernel (q4mm.cpp, q4mm_f32.cpp), not torch's
         self.can_verify = False  # set by check_verify(), which speculation runs once at start
+        # Why a decode step and a prefill chunk may not run at once (None: they may), set by
+        # check_lanes(), which Engine.load runs; an engine built otherwise runs one step at a time.
+        self.lanes_why: str | None = "not checked"
         self.scripted_rows = False  # decode-form layers run as one TorchScript call (models/scripted.py)
         # Decode-form attention through the compiled kernel (models/native.py), for every decode
         # pass or none: its bits are not SDPA's, and a reply must not depend on the step.
@@ -108,6 +113,7 @@ class Engine:
             use_q8 = engine.int4_ours or max_batch == 1
             engine.int4_head = use_q8 and q4.head_from_gguf(model, int4_from)
             engine.scripted_rows = q4.script_decode_rows(model)
+        engine.check_lanes()
         return engine
 
     def threads_for(self, prefill_tokens: int) -> int:
@@ -126,11 +132,59 @@ class Engine:
     @property
     def overlap_lanes(self) -> bool:
         """Whether a decode step and a prefill step may run at once, on one core each, in two
-        threads (they touch disjoint slots; `_rows` and the KV cache are per slot). Only where
-        a step's result does not depend on its thread count: bfloat16 on the CPU, dense or
-        4-bit, checked bit for bit by tests/test_int4.py. float32 matmuls split their sums
-        by thread count, so a float32 engine runs one step at a time."""
-        return self.device == "cpu" and self.dtype is torch.bfloat16 and self.max_threads >= 2
+        threads (they touch disjoint slots; `_rows` and the KV cache are per slot): only where
+        check_lanes() found a step's bits the same on one thread as on all of them."""
+        return self.lanes_why is None
+
+    @torch.inference_mode()
+    def check_lanes(self) -> str | None:
+        """Whether this engine's steps give the same bits on one thread as on `max_threads`:
+        None if they do, else why not. The answer is kept in `lanes_why`.
+
+        Overlapped lanes run a decode step and a prefill chunk on one core each, and either
+        alone on every core, so a reply would otherwise depend on whether another prompt was
+        arriving. Measured, not assumed: whether a matmul splits its sums by thread count is
+        a property of the kernel torch picks for the dtype, shape and CPU (bfloat16 and the
+        4-bit kernels keep them whole; float32 dense did on one development machine and not
+        on another). The probe prefills a full chunk and a short one into slot 0, then
+        decodes one row after them, on one thread and on all, and compares hidden states and
+        logits bit for bit. It runs before the scheduler has admitted anything and leaves the
+        slot empty."""
+        if self.device != "cpu":
+            why = "a GPU runs one step at a time"
+        elif self.max_threads < 2:
+            why = "one thread: nothing to overlap"
+        elif self.dtype not in (torch.bfloat16, torch.float32):
+            why = f"{self.dtype} is not probed"
+        else:
+            why = self._probe_threads()
+        self.lanes_why = why
+        return why
+
+    def _probe_threads(self) -> str | None:
+        n1 = min(LANE_PROBE_CHUNK, self.context // 2)
+        n2 = min(LANE_PROBE_TAIL, self.context - n1 - 1)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, self.vocab_size, (n1 + n2 + 1,), generator=g)
+        names = (f"a {n1}-token prefill chunk", f"a {n2}-token prefill chunk", "a decode step", "a decode step's logits")
+        got: dict[int, tuple[torch.Tensor, ...]] = {}
+        saved = torch.get_num_threads()
+        try:
+            for threads in (1, self.max_threads):
+                torch.set_num_threads(threads)
+                h1 = self.model(ids[:n1], Attend("prefill", (0,), torch.arange(n1), torch.arange(n1)), self.kv)
+                rows = torch.arange(n1, n1 + n2)
+                h2 = self.model(ids[n1:n1 + n2], Attend("prefill", (0,), rows, rows), self.kv)
+                d = self._decode([Run(0, n1 + n2, (int(ids[-1]),), (0,))])
+                got[threads] = (h1, h2, d, self.model.logits(d))
+        finally:
+            torch.set_num_threads(saved)
+            self._rows[0] = []
+        for name, one, many in zip(names, got[1], got[self.max_threads]):
+            if not torch.equal(one, many):
+                return (f"{name} on 1 thread differs from {self.max_threads} threads (max difference "
+                        f"{(one.float() - many.float()).abs().max().item():.3g})")
+        return None
 
     @property
     def kv_bytes(self) -> int:

@@ -64,7 +64,11 @@ class Runtime:
             weights += "; 4-bit matmuls compiled"
         say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")
-        lanes = "beside decode steps, one core each" if getattr(self.engine, "overlap_lanes", False) else "between decode steps"
+        if getattr(self.engine, "overlap_lanes", False):
+            lanes = "beside decode steps, one core each"
+        else:
+            why = getattr(self.engine, "lanes_why", None)
+            lanes = "between decode steps" + (f" ({why})" if why else "")
         say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}, prefill chunks of {cfg.prefill_chunk} {lanes}")
         scratch = " and a scratch slot" if getattr(self.engine, "pad_decode", False) else ""
         slots = f"{cfg.max_batch} slot" + ("s" if cfg.max_batch > 1 else "")
@@ -111,6 +115,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
                              int4_from=_int4_source(cfg, src.path, lane, dtype))
     speculation, notes = resolve_speculation(cfg, lane, engine)
+    notes = (*kernel_notes(lane), *notes)
     policy = Policy(SlotTable(cfg.max_batch), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk,
                     speculation=speculation)
     return Runtime(
@@ -126,6 +131,18 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         speculation=speculation,
         notes=notes,
     )
+
+
+def kernel_notes(lane: str) -> tuple[str, ...]:
+    """A start-up note where the cpu lane runs without its compiled kernels (models/native.py):
+    the server still answers the same, but decodes several times slower, which a log warning
+    alone would hide."""
+    from caldrix.models import native
+
+    why = native.why_torch() if lane == "cpu" else None
+    if why is None:
+        return ()
+    return (f"the compiled decode kernels are off ({why}): decode runs on plain torch ops, several times slower",)
 
 
 def resolve_speculation(cfg: ServeConfig, lane: str, engine) -> tuple[object, tuple[str, ...]]:

@@ -35,14 +35,25 @@ def available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def ours_built(dtype: torch.dtype) -> bool:
+    """Whether caldrix's own 4-bit kernel for activations of `dtype` is compiled here: q4_mm
+    for bfloat16 (CPUs with AVX512-BF16), q4_mm_f32 for float32 (AVX2 and FMA)."""
+    if dtype == torch.float32:
+        return native.has_q4_mm_f32()
+    return dtype == torch.bfloat16 and native.has_q4_mm()
+
+
 def runs_4bit(dtype: torch.dtype, device: str) -> bool:
     """Whether an engine of this dtype on this device can keep the 4-bit blocks: on the CPU,
-    bfloat16 (caldrix::q4_mm or torch's kernel), or float32 through caldrix::q4_mm_f32."""
-    if device != "cpu":
-        return False
-    if dtype == torch.bfloat16:
-        return available()
-    return dtype == torch.float32 and native.has_q4_mm_f32()
+    through caldrix's own kernel for the dtype, or for bfloat16 through torch's."""
+    return device == "cpu" and (ours_built(dtype) or (dtype == torch.bfloat16 and available()))
+
+
+def torch_int4_only(dtype: torch.dtype) -> None:
+    """Weights laid out for torch's int4 kernel take bfloat16 activations alone."""
+    if dtype != torch.bfloat16:
+        raise ValueError(f"torch's int4 kernel takes bfloat16 activations, not {dtype}; "
+                         "float32 needs caldrix::q4_mm_f32")
 
 
 def unpack_q4_1(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,9 +177,8 @@ class Int4Linear(nn.Module):
         self.ours = ours
         if ours:
             packed, scale_zero = layout(q, d, m, dtype)
-        elif dtype != torch.bfloat16:
-            raise ValueError("torch's int4 kernel takes bfloat16 activations; float32 needs caldrix::q4_mm_f32")
         else:
+            torch_int4_only(dtype)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
             scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K / GROUP, N, 2]
             scale_zero = scale_zero.to(torch.bfloat16).contiguous()
@@ -199,8 +209,8 @@ class Q8AsInt4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.ours = ours
-        if not ours and dtype != torch.bfloat16:
-            raise ValueError("torch's int4 kernel takes bfloat16 activations; float32 needs caldrix::q4_mm_f32")
+        if not ours:
+            torch_int4_only(dtype)
 
         def half(nibbles, scale, zero):  # w = (nibble - 8) * scale + zero
             if ours:  # as Q4_1: w = scale * nibble + (zero - 8 scale)
@@ -265,8 +275,7 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
     # One kernel for every 4-bit layer: caldrix's own where it is built and takes every shape.
     # A float32 model has no other (torch's int4 kernel is bfloat16 only).
     dtype = model.norm.weight.dtype
-    built = native.has_q4_mm_f32() if dtype == torch.float32 else native.has_q4_mm()
-    ours = built and all(
+    ours = ours_built(dtype) and all(
         fits(*(f"blk.{i}.{n}.weight" for n in group))
         for i in range(len(model.layers))
         for group in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)))

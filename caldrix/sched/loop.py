@@ -78,10 +78,10 @@ class Scheduler:
     """The step scheduler: one task, two lanes.
 
     The decode lane steps every sequence past its prompt, one token each. The prefill lane runs
-    prompt chunks. Where the engine allows it (`engine.overlap_lanes`: bfloat16 on a CPU with
-    two or more cores) a chunk runs in its own thread while decode steps go on beside it, one
-    core each, so a long prompt arriving does not stall the running streams' tokens; otherwise
-    the loop waits for each chunk before the next decode step. Only this task touches
+    prompt chunks. Where the engine allows it (`engine.overlap_lanes`: a CPU engine of two or
+    more threads whose steps give the same bits on one, Engine.check_lanes) a chunk runs in
+    its own thread while decode steps go on beside it, one core each, so a long prompt
+    arriving does not stall the running streams' tokens; otherwise the loop waits for each chunk before the next decode step. Only this task touches
     sequences and slots: the prefill lane's task just runs the step and hands back a Landed.
     """
 
