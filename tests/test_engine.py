@@ -9,7 +9,7 @@ import trio
 
 from caldrix.engine import Engine, resolve_dtype
 from caldrix.models.decoder import Attend, KVCache, load_decoder
-from engine_util import generate, hf_greedy
+from engine_util import generate, generate_in_turn, hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -116,6 +116,33 @@ def test_batch_invariance(smollm2_dir, smollm2_reference, dtype):
     together = generate(engine, prompts, 24, together=True)
     same = sum(a == b for a, b in zip(alone, together))
     assert same == len(prompts), f"{same}/{len(prompts)} identical"
+
+
+@pytest.mark.parametrize("weights", ["dense", "4-bit"])
+def test_no_step_reads_a_kv_row_it_did_not_write(smollm2_dir, smollm2_reference, weights):
+    """The KV cache starts uninitialized (KVCache): rows full of NaN must change no reply, with
+    decode steps padded (dense) or not (4-bit), prompts of several chunks, batch mates of other
+    lengths, and a prompt that reuses a finished one's rows."""
+    from caldrix.models import q4
+    from caldrix.models.gguf import source_gguf
+
+    if weights == "4-bit" and not q4.runs_4bit(torch.float32, "cpu"):
+        pytest.skip("no float32 4-bit kernel on this CPU")
+    _, tok = smollm2_reference
+    prompts = [tuple(tok.encode(p)) for p in PROMPTS[:4]]
+    prompts[1] = prompts[1] * 6  # several 16-token chunks
+    gguf = source_gguf(smollm2_dir) if weights == "4-bit" else None
+    replies = []
+    for fill in (0.0, float("nan")):
+        engine = Engine.load(smollm2_dir, dtype=torch.float32, max_batch=4, context=256, int4_from=gguf)
+        engine.kv.k.fill_(fill)
+        engine.kv.v.fill_(fill)
+        together = generate(engine, prompts, 8, together=True)
+        again = generate_in_turn(engine, [prompts[1], prompts[1][:-3] + prompts[2]], 8, chunk=16)
+        replies.append((together, again))
+    assert replies[1] == replies[0]
+    assert all(len(r) == 8 for r in replies[1][0])
+    assert replies[1][1][1][1] > 0  # the second prompt did reuse the first one's rows
 
 
 def test_eos_ends_a_reply(tiny):
