@@ -66,9 +66,6 @@ class Runtime:
         say(f"caldrix: context {self.context} rows per sequence")
         if getattr(self.engine, "overlap_lanes", False):
             lanes = "beside decode steps, one core each"
-            idle = self.scheduler.idle_lane
-            if idle is not None:
-                lanes += f", the chunks' thread at {idle.priority} priority"
         else:
             why = getattr(self.engine, "lanes_why", None)
             lanes = "between decode steps" + (f" ({why})" if why else "")
@@ -121,9 +118,6 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     notes = (*kernel_notes(lane), *notes)
     policy = Policy(SlotTable(cfg.max_batch), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk,
                     speculation=speculation)
-    scheduler = Scheduler(engine, policy)
-    if scheduler.idle_lane is not None:
-        scheduler.idle_lane.start()  # so that start-up can say which priority it got
     return Runtime(
         cfg=cfg,
         served_name=cfg.served_name or src.served_name,
@@ -133,7 +127,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         dtype_name=str(dtype).removeprefix("torch."),
         engine=engine,
         tokenizer=Tokenizer.load(src.path),
-        scheduler=scheduler,
+        scheduler=Scheduler(engine, policy),
         speculation=speculation,
         notes=notes,
     )

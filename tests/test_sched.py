@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 import trio
 import trio.testing
 
@@ -312,100 +310,5 @@ def test_shutdown_cutoff_waits_for_a_chunk_in_flight():
             assert eb[-1].error == SHUTTING_DOWN and eb[-1].finish is FinishReason.ABORT
             assert slots.num_free == 2
             await tx.aclose()
-
-    trio.run(main)
-
-
-class PriorityEngine(LaneEngine):
-    """A LaneEngine that records, for every step, the CPU scheduling policy and the name of the
-    thread it ran on, and when it started; decode steps take `decode_s` each."""
-
-    def __init__(self, decode_s: float = 0.0):
-        super().__init__()
-        self.decode_s = decode_s
-        self.seen: list[tuple[Batch, int, str, float]] = []
-
-    def step(self, batch: Batch) -> StepOutput:
-        import os
-        import time
-
-        self.seen.append((batch, os.sched_getscheduler(0), threading.current_thread().name, time.monotonic()))
-        if is_decode(batch) and self.decode_s:
-            time.sleep(self.decode_s)
-        return super().step(batch)
-
-    def chunks_of(self, slot: int):
-        return [(b, pol, name, t) for b, pol, name, t in self.seen if any(r.slot == slot for r in b.runs)]
-
-
-def is_decode(batch: Batch) -> bool:
-    # Every run past its prompt has drawn a token before; a prompt's runs (its last token too) have not.
-    return all(r.draw_index >= 1 for r in batch.runs)
-
-
-needs_sched_idle = pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="no SCHED_IDLE on this OS")
-
-
-@needs_sched_idle
-def test_chunks_beside_decode_steps_run_on_the_idle_priority_lane():
-    import os
-
-    async def main():
-        engine = PriorityEngine()
-        sched = Scheduler(engine, Policy(SlotTable(2), chunk=4, prefill_budget=4))
-        tx, rx = trio.open_memory_channel(4)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(sched.run, rx)
-            a_rx, b_rx = await _chunk_held_beside_a_stream(engine, tx)
-            engine.release.set()
-            assert [e.token_id for e in [e async for e in b_rx]] == [20, 21]
-            a_rx.close()
-            await tx.aclose()
-        assert sched.idle_lane.priority == "idle"
-        b_steps = engine.chunks_of(1)
-        assert len(b_steps) >= 3  # chunks of 4, 4, 1, then the last token; the tokens after it decode
-        for batch, policy, name, _ in b_steps:
-            if batch.threads == 1 and any(len(r.token_ids) > 1 for r in batch.runs):
-                assert (policy, name) == (os.SCHED_IDLE, "caldrix-idle-lane")
-        decodes = [(p, n) for b, p, n, _ in engine.seen if is_decode(b)]
-        assert decodes and all(p == os.SCHED_OTHER and n != "caldrix-idle-lane" for p, n in decodes)
-        assert engine.seen[0][1] == os.SCHED_OTHER  # a's prompt ran alone, at normal priority
-
-    trio.run(main)
-
-
-@needs_sched_idle
-def test_a_chunk_stalled_at_idle_priority_gets_the_decode_core_then_normal_priority():
-    """Another program busy on every core starves an idle-priority chunk: past stall_s the
-    decode steps wait for it, and the next chunks beside decode steps run at normal priority."""
-    import os
-    import time
-
-    async def main():
-        engine = PriorityEngine(decode_s=0.005)
-        sched = Scheduler(engine, Policy(SlotTable(2), chunk=4, prefill_budget=4), stall_s=0.2)
-        tx, rx = trio.open_memory_channel(4)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(sched.run, rx)
-            a, a_rx = make_sub([1], max_tokens=1000, rid="a", stop=frozenset())
-            await tx.send(a)
-            await a_rx.receive()
-            b, b_rx = make_sub(range(10, 20), max_tokens=2, rid="b")
-            await tx.send(b)
-            await trio.to_thread.run_sync(engine.in_prefill.wait, 10)
-            held_at = time.monotonic()
-            await trio.sleep(0.6)  # the stall: decode steps stop at about held_at + 0.2
-            released_at = time.monotonic()
-            engine.release.set()
-            with trio.fail_after(10):
-                assert [e.token_id for e in [e async for e in b_rx]] == [20, 21]
-            a_rx.close()
-            await tx.aclose()
-        decode_times = [t for b, _, _, t in engine.seen if is_decode(b)]
-        assert any(held_at < t < held_at + 0.15 for t in decode_times)  # a decoded beside the chunk at first
-        assert not any(held_at + 0.3 < t < released_at for t in decode_times)  # then waited for it
-        later = [(b, p) for b, p, _, t in engine.chunks_of(1) if t > released_at and b.threads == 1
-                 and any(len(r.token_ids) > 1 for r in b.runs)]
-        assert later and all(p == os.SCHED_OTHER for _, p in later)  # b's next chunk: normal priority
 
     trio.run(main)

@@ -6,10 +6,7 @@ waiting beyond those running, and a route whose `send_nowait` finds it full answ
 
 Two lanes: decode steps are awaited inline; a prompt chunk runs as a task of the scheduler's own
 nursery (`_prefill_lane`) and hands its output back on a channel of one. The loop applies both
-outputs itself, so sequences and slots still have one owner (see `Scheduler`). A chunk beside
-decode steps runs on a thread of its own at idle CPU priority (idle_lane.py); one that has run
-longer than `STALL_S` there gets the decode lane's core instead (the machine is busy with some
-other program), and chunks then run at normal priority for `NORMAL_FOR_S`.
+outputs itself, so sequences and slots still have one owner (see `Scheduler`).
 """
 
 from __future__ import annotations
@@ -23,20 +20,12 @@ import trio
 
 from caldrix.batch import Batch, StepOutput
 from caldrix.protocol import FinishReason, Submission, TokenEvent
-from caldrix.sched.idle_lane import IdleLane
 from caldrix.sched.policy import Policy, Work
 from caldrix.sched.sequence import Sequence, Status
 
 log = logging.getLogger("caldrix")
 
 SHUTTING_DOWN = "the server is shutting down"
-
-# An idle-priority chunk gets no CPU while another program keeps the cores busy. A 128-token
-# chunk on one core takes 0.1-0.5 s on the machines of docs/performance.md (more late in a long
-# context), so past STALL_S the decode steps wait for it, and for NORMAL_FOR_S after that the
-# chunks beside decode steps run at normal priority, as they did before the idle lane.
-STALL_S = 1.0
-NORMAL_FOR_S = 30.0
 
 
 class StepEngine(Protocol):
@@ -84,10 +73,6 @@ def _prefill_runner(sched: "Scheduler") -> StepRunner:
     return thread_runner() if getattr(sched.run_step, "threaded", False) else sched.run_step
 
 
-def _idle_lane(sched: "Scheduler") -> IdleLane | None:
-    return IdleLane() if getattr(sched.run_step, "threaded", False) and sched.overlap else None
-
-
 @attrs.define(eq=False)
 class Scheduler:
     """The step scheduler: one task, two lanes.
@@ -95,29 +80,21 @@ class Scheduler:
     The decode lane steps every sequence past its prompt, one token each. The prefill lane runs
     prompt chunks. Where the engine allows it (`engine.overlap_lanes`: a CPU engine of two or
     more threads whose steps give the same bits on one, Engine.check_lanes) a chunk runs in
-    its own thread while decode steps go on beside it, one core each (the chunk's thread at
-    idle priority, `idle_lane`), so a long prompt arriving does not stall the running streams'
-    tokens; otherwise the loop waits for each chunk before the next decode step. Only this task
-    touches sequences and slots: the prefill lane's task just runs the step and hands back a
-    Landed.
+    its own thread while decode steps go on beside it, one core each, so a long prompt
+    arriving does not stall the running streams' tokens; otherwise the loop waits for each chunk before the next decode step. Only this task touches
+    sequences and slots: the prefill lane's task just runs the step and hands back a Landed.
     """
 
     engine: StepEngine
     policy: Policy
     run_step: StepRunner = attrs.field(factory=thread_runner)  # the decode lane
     run_prefill: StepRunner = attrs.field(default=attrs.Factory(_prefill_runner, takes_self=True))
-    # Chunks beside decode steps; None: run_prefill serves them too.
-    idle_lane: IdleLane | None = attrs.field(default=attrs.Factory(_idle_lane, takes_self=True))
-    stall_s: float = STALL_S
-    normal_for_s: float = NORMAL_FOR_S
     on_finish: Callable[[Sequence], None] | None = None  # telemetry hook, called synchronously
     failed: str | None = None  # set once the engine has failed: the server answers 503
     # Set (by the server's shutdown watchdog) to end every running request now, cleanly.
     cutoff: trio.Event = attrs.Factory(trio.Event)
     _steps: int = 0
     _in_flight: Work | None = None  # the prefill Work whose step is running now
-    _idle_since: float | None = None  # when the chunk in flight started on the idle lane
-    _normal_until: float = 0.0  # chunks beside decode steps run at normal priority until then
 
     def statistics(self, queued: int = 0) -> SchedStats:
         slots = self.policy.slots
@@ -137,13 +114,6 @@ class Scheduler:
         """
         # The prefill lane's hand-back: at most one Work is in flight, so one slot of buffer.
         landed_tx, landed_rx = trio.open_memory_channel[Landed](1)
-        try:
-            await self._serve(requests, landed_tx, landed_rx, task_status)
-        finally:
-            if self.idle_lane is not None:
-                self.idle_lane.close()
-
-    async def _serve(self, requests, landed_tx, landed_rx, task_status) -> None:
         async with requests, trio.open_nursery() as lanes:
             task_status.started()
             while True:
@@ -166,10 +136,10 @@ class Scheduler:
                 if self._in_flight is None:
                     work = self.policy.schedule_prefill()
                     if work is not None:
-                        beside = self.overlap and self.policy.has_decoding()
+                        threads = 1 if self.overlap and self.policy.has_decoding() else 0
                         self._in_flight = work
-                        lanes.start_soon(self._prefill_lane, work, beside, landed_tx)
-                if self._in_flight is not None and (not self.overlap or self._stalled()):
+                        lanes.start_soon(self._prefill_lane, work, threads, landed_tx)
+                if self._in_flight is not None and not self.overlap:
                     if not self._land(await landed_rx.receive(), requests):  # one step at a time
                         return
                 work = self.policy.schedule_decode()
@@ -189,33 +159,13 @@ class Scheduler:
                 if not self._land(got, requests):
                     return
 
-    async def _prefill_lane(self, work: Work, beside: bool, landed: trio.MemorySendChannel[Landed]) -> None:
-        """Run one prefill Work: on one core beside decode steps (on the idle lane unless the
-        machine was found busy), else alone on every core."""
-        batch = attrs.evolve(work.batch, threads=1) if beside else work.batch
-        run = self.run_prefill
-        if beside and self.idle_lane is not None and time.monotonic() >= self._normal_until:
-            run = self.idle_lane.run
-            self._idle_since = time.monotonic()
+    async def _prefill_lane(self, work: Work, threads: int, landed: trio.MemorySendChannel[Landed]) -> None:
+        batch = attrs.evolve(work.batch, threads=threads) if threads else work.batch
         try:
-            got = Landed(work, await run(self.engine.step, batch))
+            got = Landed(work, await self.run_prefill(self.engine.step, batch))
         except Exception as exc:  # handed to the loop, which fails every request
             got = Landed(work, None, exc)
-        finally:
-            self._idle_since = None
         landed.send_nowait(got)  # never blocks: the buffer holds the one Work in flight
-
-    def _stalled(self) -> bool:
-        """Whether the chunk in flight has waited past `stall_s` on the idle lane. If so, the
-        loop waits for it (the decode lane's core goes to it), and chunks run at normal
-        priority for `normal_for_s`."""
-        if self._idle_since is None or time.monotonic() - self._idle_since <= self.stall_s:
-            return False
-        self._normal_until = time.monotonic() + self.normal_for_s
-        log.warning("a prompt chunk beside decode steps ran over %.1f s at idle priority (another program is "
-                    "busy on the CPU): decode steps wait for it, and chunks run at normal priority for %.0f s",
-                    self.stall_s, self.normal_for_s)
-        return True
 
     async def _decode(self, work: Work, requests) -> bool:
         """Run one decode step and emit its tokens; False if the engine failed. Beside a chunk
