@@ -167,6 +167,20 @@ def test_q4_mm_follows_the_dequantized_weights_and_torchs_kernel(q4_mm, n, k):
         assert (got.float() - other).abs().max() <= 2 ** -6 * want.abs().max()
 
 
+def test_q4_mm_layout_keeps_the_gguf_float16_scales_and_refuses_others():
+    """The layout holds d and m as float16 (half the bytes of float32, what a one-row step
+    reads most of after the nibbles); that loses nothing only for values that are float16."""
+    from caldrix.models import q4
+
+    q, d, m, _ = q4_weights(64, 64)
+    _, dm = q4.q4_mm_layout(q, d, m)
+    assert dm.dtype == torch.float16
+    got_d = dm.view(64 // 16, 64 // 32, 2, 16)[:, :, 0].permute(0, 2, 1).reshape(64, 2)
+    assert torch.equal(got_d.float(), d)
+    with pytest.raises(ValueError, match="float16"):
+        q4.q4_mm_layout(q, d + 1e-6, m)  # not a float16 value
+
+
 def test_q4_mm_rows_depend_on_themselves_alone(q4_mm):
     from caldrix.models import q4
 

@@ -2,7 +2,7 @@
 
 A Q4_1 block holds 32 weights of one row as w = d * q + m, with q in 0..15 and d, m float16.
 Three kernels take them as they are. caldrix::q4_mm (q4mm.cpp, CPUs with AVX512-BF16) reads
-the nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float32, for
+the nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float16 (as the GGUF stores them), for
 bfloat16 rows. caldrix::q4_mm_f32 (q4mm_f32.cpp, CPUs with AVX2 and FMA) does the same for
 float32 rows, in another layout (`q4_mm_f32_layout`): the engine of a CPU without native
 bfloat16. torch's int4 weight-only kernel computes w = (q - 8) * scale + zero per group, so the
@@ -92,13 +92,15 @@ MAX_INT4_ROWS = 8
 def q4_mm_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q int32 [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm's operands (q4mm.cpp):
     nibbles uint8 [N, K / 2] in 16-column groups, 32 bytes per 4 k's (byte 2c: column c's
-    k0 | k2 << 4, byte 2c + 1: k1 | k3 << 4); d and m - 128 d float32 [N / 16, K / GROUP, 2, 16]."""
+    k0 | k2 << 4, byte 2c + 1: k1 | k3 << 4); d and m float16 [N / 16, K / GROUP, 2, 16]: the
+    GGUF's own float16 values (the kernel computes m - 128 d in float32), so they must round-trip."""
     n, k = q.shape
     g = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [groups, k / 4, column, k within 4]
     qw = (g[..., 0:2] | (g[..., 2:4] << 4)).to(torch.uint8).reshape(n, k // 2).contiguous()
-    d, m = d.float(), m.float()
-    dm = torch.stack([d, m - 128 * d]).view(2, n // 16, 16, k // GROUP).permute(1, 3, 0, 2)
-    return qw, dm.contiguous()
+    dm = torch.stack([d, m]).half()
+    if not torch.equal(dm.float(), torch.stack([d.float(), m.float()])):
+        raise ValueError("q4_mm_layout: d and m must be float16 values (as a GGUF stores them)")
+    return qw, dm.view(2, n // 16, 16, k // GROUP).permute(1, 3, 0, 2).contiguous()
 
 
 def q4_mm_f32_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
