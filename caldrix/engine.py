@@ -94,7 +94,7 @@ class Engine:
 
             if not q4.runs_4bit(dtype, device):
                 raise ValueError("4-bit weights need the cpu lane and --dtype bfloat16, or float32 on a CPU with "
-                                 "AVX2 and FMA")
+                                 "AVX2, FMA and F16C")
             engine_int4 = q4.quantize_from_gguf(model, int4_from)
         ctx = min(model.cfg.max_positions, 8192) if context is None else context
         engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=not engine_int4)

@@ -212,7 +212,7 @@ def test_q4_mm_refuses_what_it_cannot_take(q4_mm):
 @pytest.fixture(scope="module")
 def q4_mm_f32(op):
     if not native.has_q4_mm_f32():
-        pytest.skip("caldrix::q4_mm_f32 is built only for CPUs with AVX2 and FMA")
+        pytest.skip("caldrix::q4_mm_f32 is built only for CPUs with AVX2, FMA and F16C")
     return torch.ops.caldrix.q4_mm_f32
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 log = logging.getLogger("caldrix.engine")
 
 # attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has
-# AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2 and FMA
+# AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2, FMA and F16C
 SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
@@ -120,7 +120,7 @@ _stubs = []  # keeps the stub registrations alive
 
 def _define_q4_mm_stub(name: str) -> None:
     """caldrix::q4_mm or q4_mm_f32 where its source was not built (the CPU lacks AVX512-BF16,
-    or AVX2 and FMA, or there are no kernels at all): the name must exist for the scripted
+    or AVX2, FMA and F16C, or there are no kernels at all): the name must exist for the scripted
     layers (models/scripted.py), which only call it where `has_q4_mm()` or `has_q4_mm_f32()`
     said it is the compiled kernel."""
     lib = torch.library.Library("caldrix", "FRAGMENT")
@@ -139,7 +139,7 @@ def _has_op(name: str) -> bool:
 
 def _no_q4_mm(x: torch.Tensor, qw: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError("caldrix's 4-bit kernel was not compiled for this CPU (q4_mm: AVX512-BF16, "
-                              "q4_mm_f32: AVX2 and FMA)")
+                              "q4_mm_f32: AVX2, FMA and F16C)")
 
 
 def torch_decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
@@ -201,7 +201,7 @@ def load() -> bool:
                     _state = "native"
                     global _q4_mm, _q4_mm_f32
                     _q4_mm = _has_op("q4_mm")  # q4mm.cpp is empty without AVX512-BF16
-                    _q4_mm_f32 = _has_op("q4_mm_f32")  # q4mm_f32.cpp without AVX2 and FMA
+                    _q4_mm_f32 = _has_op("q4_mm_f32")  # q4mm_f32.cpp without AVX2, FMA and F16C
                     for name, built in (("q4_mm", _q4_mm), ("q4_mm_f32", _q4_mm_f32)):
                         if not built:
                             _define_q4_mm_stub(name)
@@ -237,7 +237,7 @@ def has_q4_mm() -> bool:
 
 def has_q4_mm_f32() -> bool:
     """Whether the compiled caldrix::q4_mm_f32 (q4mm_f32.cpp) is here: built for CPUs with
-    AVX2 and FMA; without it a float32 engine keeps dense weights."""
+    AVX2, FMA and F16C; without it a float32 engine keeps dense weights."""
     return load() and _q4_mm_f32
 
 

@@ -3,7 +3,7 @@
 A Q4_1 block holds 32 weights of one row as w = d * q + m, with q in 0..15 and d, m float16.
 Three kernels take them as they are. caldrix::q4_mm (q4mm.cpp, CPUs with AVX512-BF16) reads
 the nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float16 (as the GGUF stores them), for
-bfloat16 rows. caldrix::q4_mm_f32 (q4mm_f32.cpp, CPUs with AVX2 and FMA) does the same for
+bfloat16 rows. caldrix::q4_mm_f32 (q4mm_f32.cpp, CPUs with AVX2, FMA and F16C) does the same for
 float32 rows, in another layout (`q4_mm_f32_layout`): the engine of a CPU without native
 bfloat16. torch's int4 weight-only kernel computes w = (q - 8) * scale + zero per group, so the
 GGUF's q values go in unchanged with scale = d and zero = m + 8 d, rounded to bfloat16, the
@@ -37,7 +37,7 @@ def available() -> bool:
 
 def ours_built(dtype: torch.dtype) -> bool:
     """Whether caldrix's own 4-bit kernel for activations of `dtype` is compiled here: q4_mm
-    for bfloat16 (CPUs with AVX512-BF16), q4_mm_f32 for float32 (AVX2 and FMA)."""
+    for bfloat16 (CPUs with AVX512-BF16), q4_mm_f32 for float32 (AVX2, FMA and F16C)."""
     if dtype == torch.float32:
         return native.has_q4_mm_f32()
     return dtype == torch.bfloat16 and native.has_q4_mm()
@@ -97,21 +97,28 @@ def q4_mm_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[tor
     n, k = q.shape
     g = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [groups, k / 4, column, k within 4]
     qw = (g[..., 0:2] | (g[..., 2:4] << 4)).to(torch.uint8).reshape(n, k // 2).contiguous()
+    dm = _float16_scales(d, m, "q4_mm_layout")
+    return qw, dm.view(2, n // 16, 16, k // GROUP).permute(1, 3, 0, 2).contiguous()
+
+
+def _float16_scales(d: torch.Tensor, m: torch.Tensor, who: str) -> torch.Tensor:
+    """[2, N, K / GROUP] float16: d then m, refused unless float16 holds them exactly."""
     dm = torch.stack([d, m]).half()
     if not torch.equal(dm.float(), torch.stack([d.float(), m.float()])):
-        raise ValueError("q4_mm_layout: d and m must be float16 values (as a GGUF stores them)")
-    return qw, dm.view(2, n // 16, 16, k // GROUP).permute(1, 3, 0, 2).contiguous()
+        raise ValueError(f"{who}: d and m must be float16 values (as a GGUF stores them)")
+    return dm
 
 
 def q4_mm_f32_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q int32 [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm_f32's operands
     (q4mm_f32.cpp): nibbles uint8 [N, K / 2] in 8-column groups, 32 bytes per 8 k's (dword c:
-    column c's nibbles, k j at bits 4j, little-endian); d and m float32 [N / 8, K / GROUP, 2, 8]."""
+    column c's nibbles, k j at bits 4j, little-endian); d and m float16 [N / 8, K / GROUP, 2, 8],
+    which must round-trip as in q4_mm_layout."""
     n, k = q.shape
     g = q.view(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3)  # [groups, k / 8, column, k within 8]
     pairs = g[..., 0::2] | (g[..., 1::2] << 4)  # byte i of a dword: k 2i low, k 2i + 1 high
     qw = pairs.to(torch.uint8).reshape(n, k // 2).contiguous()
-    dm = torch.stack([d.float(), m.float()]).view(2, n // 8, 8, k // GROUP).permute(1, 3, 0, 2)
+    dm = _float16_scales(d, m, "q4_mm_f32_layout").view(2, n // 8, 8, k // GROUP).permute(1, 3, 0, 2)
     return qw, dm.contiguous()
 
 

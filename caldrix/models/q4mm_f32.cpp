@@ -1,6 +1,6 @@
 // caldrix::q4_mm_f32: y = x @ W.T for a few float32 rows x and a GGUF's Q4_1 weights W, read in
 // their own 4-bit blocks (w = d * q + m, 32 weights a block). The float32 sibling of q4mm.cpp,
-// for CPUs with AVX2 and FMA but no native bfloat16, where the engine runs float32.
+// for CPUs with AVX2, FMA and F16C but no native bfloat16, where the engine runs float32.
 //
 // Why: there the dense float32 weights are 6x the bytes of the 4-bit blocks, and a decode step
 // is a read of every weight; torch's int4 weight-only kernel takes float32 activations, but
@@ -14,10 +14,11 @@
 //
 // Layout (made by models/q4.py, q4_mm_f32_layout): qw uint8 [N, K / 2] in groups of 8 columns,
 // each group 32 bytes per 8 k's: little-endian dword c holds column c's 8 nibbles, k j at bits
-// 4j. dm float32 [N / 8, K / 32, 2, 8]: per group and block the 8 d's, then the 8 m's. x [T, K]
+// 4j. dm float16 [N / 8, K / 32, 2, 8]: per group and block the 8 d's, then the 8 m's, the
+// GGUF's own float16 values, widened to float32 exactly (half the bytes of float32 ones). x [T, K]
 // float32 contiguous, any T; K a multiple of 32, N of 8. Returns [T, N] float32.
 //
-// Built only where the compiler targets AVX2 and FMA (-march=native); elsewhere this file
+// Built only where the compiler targets AVX2, FMA and F16C (-march=native); elsewhere this file
 // compiles to nothing and native.py registers a stub of the name.
 
 #include <ATen/Parallel.h>
@@ -25,7 +26,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 #include <cstdint>
@@ -48,7 +49,7 @@ constexpr float SCALE[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f
 // accumulators of a column are the same for any G and R: G only puts independent FMA chains
 // side by side, so a few rows do not wait on one chain's latency.
 template <int G, int R>
-inline void groups(const uint8_t* qg, const float* dg, const float* xs, const float* sums, int64_t K, float* y,
+inline void groups(const uint8_t* qg, const uint16_t* dg, const float* xs, const float* sums, int64_t K, float* y,
                    int64_t N, int64_t gi) {
   const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
   // The totals live in memory, touched once a block: registers go to the 32-k inner loop.
@@ -72,8 +73,9 @@ inline void groups(const uint8_t* qg, const float* dg, const float* xs, const fl
       }
     }
     for (int g = 0; g < G; ++g) {
-      const float* dgb = dg + g * dstride + b * 2 * COLS;
-      const __m256 d = _mm256_loadu_ps(dgb), m = _mm256_loadu_ps(dgb + COLS);
+      const uint16_t* dgb = dg + g * dstride + b * 2 * COLS;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dgb)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dgb + COLS)));
       for (int r = 0; r < R; ++r) {
         const __m256 t = _mm256_fmadd_ps(m, _mm256_set1_ps(sums[r * blocks + b]), _mm256_load_ps(total[g][r]));
         _mm256_store_ps(total[g][r], _mm256_fmadd_ps(d, part[g][r], t));
@@ -91,7 +93,7 @@ constexpr int interleave(int R) { return R == 1 ? 8 : R == 2 ? 4 : 2; }
 constexpr int ROW_TILE = 4;
 
 template <int G, int R>
-inline void tiles(const uint8_t* qg, const float* dg, const float* xs, const float* sums, int64_t K, float* y,
+inline void tiles(const uint8_t* qg, const uint16_t* dg, const float* xs, const float* sums, int64_t K, float* y,
                   int64_t N, int64_t gi) {
   constexpr int first = R < ROW_TILE ? R : ROW_TILE;
   groups<G, first>(qg, dg, xs, sums, K, y, N, gi);
@@ -100,7 +102,7 @@ inline void tiles(const uint8_t* qg, const float* dg, const float* xs, const flo
 }
 
 template <int R>
-void rows(const float* xs, const float* sums, const uint8_t* qw, const float* dm, float* y, int64_t K, int64_t N) {
+void rows(const float* xs, const float* sums, const uint8_t* qw, const uint16_t* dm, float* y, int64_t K, int64_t N) {
   constexpr int G = interleave(R < ROW_TILE ? R : ROW_TILE);
   const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
   at::parallel_for(0, N / COLS, G, [&](int64_t begin, int64_t end) {
@@ -110,7 +112,7 @@ void rows(const float* xs, const float* sums, const uint8_t* qw, const float* dm
   });
 }
 
-void dispatch(int64_t R, const float* xs, const float* sums, const uint8_t* qw, const float* dm, float* y, int64_t K,
+void dispatch(int64_t R, const float* xs, const float* sums, const uint8_t* qw, const uint16_t* dm, float* y, int64_t K,
               int64_t N) {
   switch (R) {
 #define CASE(n) \
@@ -129,8 +131,8 @@ at::Tensor q4_mm_f32(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 2 && qw.size(1) == K / 2 &&
                   N % COLS == 0,
               "q4_mm_f32: qw is a contiguous uint8 [N, K / 2], N a multiple of 8, in q4.py's column-group order");
-  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.numel() == 2 * N * (K / BLOCK),
-              "q4_mm_f32: dm holds d and m, contiguous float32, 2 * N * K / 32 values in q4.py's order");
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == 2 * N * (K / BLOCK),
+              "q4_mm_f32: dm holds d and m, contiguous float16, 2 * N * K / 32 values in q4.py's order");
   const float* xp = x.data_ptr<float>();
   // xs: x with k scaled by 16^-(k mod 8) (k mod 8 < 7), the in-place nibbles' weights (see `groups`).
   std::vector<float> xs(T * K);
@@ -154,7 +156,7 @@ at::Tensor q4_mm_f32(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   // any chunk, so the split never changes it.
   for (int64_t t0 = 0; t0 < T; t0 += ROWS_AT_ONCE) {
     const int64_t R = std::min(ROWS_AT_ONCE, T - t0);
-    dispatch(R, xs.data() + t0 * K, sums.data() + t0 * blocks, qw.data_ptr<uint8_t>(), dm.data_ptr<float>(), yp + t0 * N, K,
+    dispatch(R, xs.data() + t0 * K, sums.data() + t0 * blocks, qw.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), yp + t0 * N, K,
              N);
   }
   return y;
