@@ -292,44 +292,43 @@ class Decoder(nn.Module):
         return F.linear(self.norm(hidden), w).float()
 
 
-def _hf_state(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_decoder(path: Path, dtype: torch.dtype, device="cpu") -> Decoder:
+    """Build a Decoder from a Hugging Face directory, fusing q/k/v and gate/up on the way.
 
+    Tensors are read one at a time (models/tensor_files.py) and cast to `dtype` as they come,
+    so loading never holds the file's float32 weights beside their cast copies: reading the
+    whole float32 state first made loading SmolLM2 peak at 1340 MiB for an engine that then
+    holds about 800 (docs/performance.md). Casting pieces before concatenating them gives the
+    same values."""
+    from caldrix.models.tensor_files import TensorFiles
+
+    cfg = DecoderConfig.from_dir(path)
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    with TensorFiles(files) as hf:
 
+        def take(name: str) -> torch.Tensor:
+            for prefix in ("model.", ""):
+                if prefix + name in hf:
+                    return hf.get(prefix + name).to(dtype)
+            raise KeyError(f"weight {name} missing from {path}")
 
-def load_decoder(path: Path, dtype: torch.dtype, device="cpu") -> Decoder:
-    """Build a Decoder from a Hugging Face directory, fusing q/k/v and gate/up on the way."""
-    cfg = DecoderConfig.from_dir(path)
-    hf = _hf_state(path)
-
-    def take(name: str) -> torch.Tensor:
-        for prefix in ("model.", ""):
-            if prefix + name in hf:
-                return hf[prefix + name]
-        raise KeyError(f"weight {name} missing from {path}")
-
-    ours: dict[str, torch.Tensor] = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
-    if not cfg.tie_embeddings:
-        ours["lm_head.weight"] = hf["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        ours[p + "input_norm.weight"] = take(p + "input_layernorm.weight")
-        ours[p + "post_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        ours[p + "wqkv.weight"] = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
-        ours[p + "wo.weight"] = take(a + "o_proj.weight")
-        ours[p + "w_gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-        ours[p + "w_down.weight"] = take(m + "down_proj.weight")
-        if cfg.arch == "qwen3":
-            ours[p + "q_norm.weight"] = take(a + "q_norm.weight")
-            ours[p + "k_norm.weight"] = take(a + "k_norm.weight")
+        ours: dict[str, torch.Tensor] = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+        if not cfg.tie_embeddings:
+            ours["lm_head.weight"] = take("lm_head.weight")
+        for i in range(cfg.num_layers):
+            p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            ours[p + "input_norm.weight"] = take(p + "input_layernorm.weight")
+            ours[p + "post_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            ours[p + "wqkv.weight"] = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+            ours[p + "wo.weight"] = take(a + "o_proj.weight")
+            ours[p + "w_gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+            ours[p + "w_down.weight"] = take(m + "down_proj.weight")
+            if cfg.arch == "qwen3":
+                ours[p + "q_norm.weight"] = take(a + "q_norm.weight")
+                ours[p + "k_norm.weight"] = take(a + "k_norm.weight")
     with torch.device("meta"):
         model = Decoder(cfg)
-    model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=True, assign=True)
+    model.load_state_dict(ours, strict=True, assign=True)
     return model.to(device).eval().requires_grad_(False)

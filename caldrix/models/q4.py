@@ -68,11 +68,13 @@ def unpack_q4_1(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def unpack_q8_0(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """raw: uint8 [N, blocks * 34] -> q int32 [N, K] in -128..127, d float32 [N, blocks]."""
+    """raw: uint8 [N, blocks * 34] -> q int8 [N, K], d float32 [N, blocks]. int8, not int32: for
+    SmolLM2's 49152 x 576 head an int32 q and the temporaries made from it were most of
+    loading's peak memory (docs/performance.md)."""
     n = raw.shape[0]
     blocks = raw.reshape(n, cols // GROUP, Q8_0_BYTES)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blocks[:, :, 2:].copy().view(np.int8).reshape(n, cols).astype(np.int32)
+    q = blocks[:, :, 2:].copy().view(np.int8).reshape(n, cols)
     return torch.from_numpy(q), torch.from_numpy(d)
 
 
@@ -95,6 +97,7 @@ def q4_mm_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[tor
     k0 | k2 << 4, byte 2c + 1: k1 | k3 << 4); d and m float16 [N / 16, K / GROUP, 2, 16]: the
     GGUF's own float16 values (the kernel computes m - 128 d in float32), so they must round-trip."""
     n, k = q.shape
+    q = q.to(torch.uint8)  # 0..15: bytes from here on, not the caller's int32
     g = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [groups, k / 4, column, k within 4]
     qw = (g[..., 0:2] | (g[..., 2:4] << 4)).to(torch.uint8).reshape(n, k // 2).contiguous()
     dm = _float16_scales(d, m, "q4_mm_layout")
@@ -115,6 +118,7 @@ def q4_mm_f32_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple
     column c's nibbles, k j at bits 4j, little-endian); d and m float16 [N / 8, K / GROUP, 2, 8],
     which must round-trip as in q4_mm_layout."""
     n, k = q.shape
+    q = q.to(torch.uint8)  # 0..15: bytes from here on, not the caller's int32
     g = q.view(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3)  # [groups, k / 8, column, k within 8]
     pairs = g[..., 0::2] | (g[..., 1::2] << 4)  # byte i of a dword: k 2i low, k 2i + 1 high
     qw = pairs.to(torch.uint8).reshape(n, k // 2).contiguous()
@@ -224,7 +228,7 @@ class Q8AsInt4Linear(nn.Module):
         def half(nibbles, scale, zero):  # w = (nibble - 8) * scale + zero
             if ours:  # as Q4_1: w = scale * nibble + (zero - 8 scale)
                 return layout(nibbles, scale, zero - 8 * scale, dtype)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.contiguous(), 1)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32).contiguous(), 1)
             return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
 
         hi_packed, hi_sz = half((q >> 4) + 8, 16 * d, torch.zeros_like(d))
