@@ -2,10 +2,10 @@
 
 A Q4_1 block holds 32 weights of one row as w = d * q + m, with q in 0..15 and d, m float16.
 Three kernels take them as they are. caldrix::q4_mm (q4mm.cpp, CPUs with AVX512-BF16) reads
-the nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float16 (as the GGUF stores them), for
-bfloat16 rows. caldrix::q4_mm_f32 (q4mm_f32.cpp, CPUs with AVX2, FMA and F16C) does the same for
-float32 rows, in another layout (`q4_mm_f32_layout`): the engine of a CPU without native
-bfloat16. torch's int4 weight-only kernel computes w = (q - 8) * scale + zero per group, so the
+the nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float16, as the GGUF
+stores them, for bfloat16 rows. caldrix::q4_mm_f32 (q4mm_f32.cpp, CPUs with AVX2, FMA and
+F16C) does the same for float32 rows, in another layout (`q4_mm_f32_layout`): the engine of a
+CPU without native bfloat16. torch's int4 weight-only kernel computes w = (q - 8) * scale + zero per group, so the
 GGUF's q values go in unchanged with scale = d and zero = m + 8 d, rounded to bfloat16, the
 kernel's dtype; it serves a bfloat16 engine where q4_mm is not built.
 
@@ -92,14 +92,14 @@ MAX_INT4_ROWS = 8
 
 
 def q4_mm_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q int32 [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm's operands (q4mm.cpp):
+    """q integers [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm's operands (q4mm.cpp):
     nibbles uint8 [N, K / 2] in 16-column groups, 32 bytes per 4 k's (byte 2c: column c's
     k0 | k2 << 4, byte 2c + 1: k1 | k3 << 4); d and m float16 [N / 16, K / GROUP, 2, 16]: the
     GGUF's own float16 values (the kernel computes m - 128 d in float32), so they must round-trip."""
     n, k = q.shape
     q = q.to(torch.uint8)  # 0..15: bytes from here on, not the caller's int32
     g = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [groups, k / 4, column, k within 4]
-    qw = (g[..., 0:2] | (g[..., 2:4] << 4)).to(torch.uint8).reshape(n, k // 2).contiguous()
+    qw = (g[..., 0:2] | (g[..., 2:4] << 4)).reshape(n, k // 2).contiguous()
     dm = _float16_scales(d, m, "q4_mm_layout")
     return qw, dm.view(2, n // 16, 16, k // GROUP).permute(1, 3, 0, 2).contiguous()
 
@@ -113,7 +113,7 @@ def _float16_scales(d: torch.Tensor, m: torch.Tensor, who: str) -> torch.Tensor:
 
 
 def q4_mm_f32_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q int32 [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm_f32's operands
+    """q integers [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm_f32's operands
     (q4mm_f32.cpp): nibbles uint8 [N, K / 2] in 8-column groups, 32 bytes per 8 k's (dword c:
     column c's nibbles, k j at bits 4j, little-endian); d and m float16 [N / 8, K / GROUP, 2, 8],
     which must round-trip as in q4_mm_layout."""
@@ -121,7 +121,7 @@ def q4_mm_f32_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple
     q = q.to(torch.uint8)  # 0..15: bytes from here on, not the caller's int32
     g = q.view(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3)  # [groups, k / 8, column, k within 8]
     pairs = g[..., 0::2] | (g[..., 1::2] << 4)  # byte i of a dword: k 2i low, k 2i + 1 high
-    qw = pairs.to(torch.uint8).reshape(n, k // 2).contiguous()
+    qw = pairs.reshape(n, k // 2).contiguous()
     dm = _float16_scales(d, m, "q4_mm_f32_layout").view(2, n // 8, 8, k // GROUP).permute(1, 3, 0, 2)
     return qw, dm.contiguous()
 
