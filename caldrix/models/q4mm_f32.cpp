@@ -154,10 +154,10 @@ at::Tensor q4_mm_f32(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   float* yp = y.data_ptr<float>();
   // Rows in chunks of 8, each chunk a pass over the weights: a row's result is the same in
   // any chunk, so the split never changes it.
+  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());  // float16 bits
   for (int64_t t0 = 0; t0 < T; t0 += ROWS_AT_ONCE) {
     const int64_t R = std::min(ROWS_AT_ONCE, T - t0);
-    dispatch(R, xs.data() + t0 * K, sums.data() + t0 * blocks, qw.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), yp + t0 * N, K,
-             N);
+    dispatch(R, xs.data() + t0 * K, sums.data() + t0 * blocks, qw.data_ptr<uint8_t>(), dmp, yp + t0 * N, K, N);
   }
   return y;
 }
