@@ -14,8 +14,10 @@ from caldrix.generate import EngineFailed, GenRequest, pieces, submit
 
 def run_once(cfg: ServeConfig, prompt: str, *, chat: bool, max_tokens: int | None, stops: tuple[str, ...], ignore_eos: bool) -> int:
     from caldrix.runtime import load_runtime
+    from caldrix.sched.threads import StepThread
 
-    rt = load_runtime(cfg)
+    with StepThread("caldrix load") as loader:  # its OpenMP team ends with it (sched/threads.py)
+        rt = loader.call(load_runtime, cfg)
     tok = rt.tokenizer
     if chat:
         if not tok.has_chat_template:

@@ -3,7 +3,7 @@ channel and the HTTP server.
 
 Task tree:
     serve()                      root nursery
-      Scheduler.run(rx)          sole owner of sequences and KV slots; steps in a worker thread
+      Scheduler.run(rx)          sole owner of sequences and KV slots; steps on its lane threads
       hypercorn.trio.serve(app)  HTTP handlers, each in hypercorn's own nursery under this one
 
 Shutdown: SIGINT or SIGTERM stops the listeners; hypercorn lets running requests finish (up to
@@ -41,10 +41,15 @@ def pick_lane(backend: str) -> str:
 
 
 async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Load and serve until a signal (or cancellation). Model loading blocks a worker thread."""
+    """Load and serve until a signal (or cancellation). Model loading blocks a thread of its own."""
     from caldrix.runtime import load_runtime
 
-    rt = await trio.to_thread.run_sync(load_runtime, cfg)
+    from caldrix.sched.threads import StepThread
+
+    # Loading runs torch's parallel kernels. On a thread that ends with it, the OpenMP team it
+    # grows ends too, and the steps' own team is then the only one (sched/threads.py).
+    with StepThread("caldrix load") as loader:
+        rt = await loader.run(load_runtime, cfg)
     rt.announce(say)
     from hypercorn.config import Config as HyperConfig
     from hypercorn.trio import serve as hypercorn_serve

@@ -1,0 +1,95 @@
+"""StepThread: one OS thread of its own that runs the blocking calls handed to it, in order.
+
+Why not trio's worker threads: OpenMP (libgomp, the runtime torch's CPU kernels use) keeps a
+team of helper threads for each thread that starts parallel work, and it counts every team's
+threads. Once the count passes the machine's cores it stops letting idle helpers spin and puts
+them to sleep at once, so each of a decode step's ~150 parallel kernel calls pays a futex
+wake-up (about 50 us on a 2-core VM). trio hands a job to whichever cached thread is idle, so
+the model load, the decode lane and the prefill lane each grew a team: 4 threads counted on 2
+cores, and a one-row step took 5.7 ms in the server against 4.7 ms in one thread
+(docs/performance.md, "One OpenMP team"). With one StepThread for all work that uses every core
+(the load, decode steps, chunks run alone) and another for chunks beside decode (one thread:
+no team), libgomp counts exactly the cores.
+
+Contract: `run` blocks the calling task (not the event loop) until the call returns, and is
+never abandoned on cancel: a step that is writing KV rows must finish before anything touches
+them; a cancel arrives once it has. Calls run one at a time, in the order they were handed
+over. `close` ends the thread after its last call; whoever created the StepThread closes it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, TypeVar
+
+import outcome
+import trio
+
+T = TypeVar("T")
+
+
+class StepThread:
+    def __init__(self, name: str):
+        self.name = name
+        # Unbounded in type, bounded in use: each call's task waits for it before handing over
+        # another, so the queue holds at most one call per task using this thread (two lanes).
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                # daemon: a process that exits without closing (a crash, a test) does not hang on it
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            fn, args, deliver = call
+            deliver(outcome.capture(fn, *args))
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on this thread; returns its result or raises its exception."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._start()
+        token = trio.lowlevel.current_trio_token()
+        task = trio.lowlevel.current_task()
+
+        def deliver(result: outcome.Outcome) -> None:  # on this thread: wake the task
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        self._calls.put((fn, args, deliver))
+        return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+
+    def call(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on this thread, from plain (non-trio) code: blocks until it returns."""
+        self._start()
+        done = threading.Event()
+        box: list[outcome.Outcome] = []
+
+        def deliver(result: outcome.Outcome) -> None:
+            box.append(result)
+            done.set()
+
+        self._calls.put((fn, args, deliver))
+        done.wait()
+        return box[0].unwrap()
+
+    def close(self) -> None:
+        """End the thread once the calls handed over so far have run; waits for it."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._calls.put(None)
+            thread.join()
+
+    def __enter__(self) -> "StepThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
