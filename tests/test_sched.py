@@ -198,8 +198,10 @@ class LaneEngine(FakeEngine):
         self.release = threading.Event()
         self.in_prefill = threading.Event()
         self.fail_prefill = fail_prefill
+        self.ran_on: list[tuple[Batch, str]] = []  # each step and its OS thread, as it began
 
     def step(self, batch: Batch) -> StepOutput:
+        self.ran_on.append((batch, threading.current_thread().name))
         if any(len(r.token_ids) > 1 for r in batch.runs) and len(self.batches) > 0:
             self.in_prefill.set()
             assert self.release.wait(10), "the test never released the prefill step"
@@ -240,6 +242,13 @@ def test_a_prompt_chunk_runs_beside_decode_steps_on_one_core_each():
         # decode steps, and b's chunks: 4, 4, 1, then its last token alone
         assert sorted(len(r.token_ids) for bt in beside for r in bt.runs if r.slot == 1) == [1, 1, 4, 4]
         assert engine.batches[0].threads == 0  # a's prompt ran alone: every core
+        # One OS thread for every step that may use every core and for decode steps, another
+        # for chunks beside them (sched/threads.py: OpenMP keeps one team); both end with run.
+        for bt, name in engine.ran_on:
+            b_prefill = bt.threads == 1 and any(r.slot == 1 for r in bt.runs)  # b's prompt, beside a
+            assert name == ("caldrix prefill" if b_prefill else "caldrix step"), (bt, name)
+        assert {"caldrix step", "caldrix prefill"} <= {name for _, name in engine.ran_on}
+        assert not {"caldrix step", "caldrix prefill"} & {t.name for t in threading.enumerate()}
 
     trio.run(main)
 
