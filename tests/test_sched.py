@@ -244,11 +244,14 @@ def test_a_prompt_chunk_runs_beside_decode_steps_on_one_core_each():
         assert engine.batches[0].threads == 0  # a's prompt ran alone: every core
         # One OS thread for every step that may use every core and for decode steps, another
         # for chunks beside them (sched/threads.py: OpenMP keeps one team); both end with run.
+        # (b's first chunk, held on an Event, used no CPU: the valve sends the rest to the fair
+        # thread, sched/runners.py)
         for bt, name in engine.ran_on:
             b_prefill = bt.threads == 1 and any(r.slot == 1 for r in bt.runs)  # b's prompt, beside a
-            assert name == ("caldrix prefill" if b_prefill else "caldrix step"), (bt, name)
-        assert {"caldrix step", "caldrix prefill"} <= {name for _, name in engine.ran_on}
-        assert not {"caldrix step", "caldrix prefill"} & {t.name for t in threading.enumerate()}
+            assert name in (("caldrix prefill", "caldrix prefill+") if b_prefill else ("caldrix step",)), (bt, name)
+        names = [name for _, name in engine.ran_on]
+        assert "caldrix step" in names and "caldrix prefill" in names
+        assert not {"caldrix step", "caldrix prefill", "caldrix prefill+"} & {t.name for t in threading.enumerate()}
 
     trio.run(main)
 

@@ -3,6 +3,8 @@ abandoned on cancel."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -89,3 +91,41 @@ def test_call_from_plain_code_and_a_restart_after_close():
     with pytest.raises(ZeroDivisionError):
         with StepThread("t-raise") as u:
             u.call(lambda: 1 / 0)
+
+
+def test_the_prefill_lane_picks_threads_and_opens_its_valve_when_a_chunk_starves():
+    """sched/runners.py: whole-core chunks on the decode lane's thread; chunks beside decode on
+    the low-priority thread until one gets less than half a core, then on the fair one."""
+    from caldrix.batch import Batch
+    from caldrix.sched.runners import BESIDE_NICE, DecodeLane, PrefillLane
+
+    def where(_batch):
+        tid = threading.get_native_id()
+        return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid)
+
+    def starved(_batch):  # waits without using a core, as a thread starved by a busy machine does
+        time.sleep(0.1)
+        return where(_batch)
+
+    def busy(_batch):
+        t = time.thread_time()
+        while time.thread_time() - t < 0.1:
+            pass
+        return where(_batch)
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def main():
+        decode = DecodeLane()
+        lane = PrefillLane(decode)
+        got = [await lane(where, Batch((), threads=0)), await lane(busy, Batch((), threads=1))]
+        assert lane.fair_until == 0.0  # a chunk that had its core does not open the valve
+        got += [await lane(starved, Batch((), threads=1)), await lane(where, Batch((), threads=1))]
+        for t in (*decode.threads, *lane.threads):
+            t.close()
+        return got
+
+    got = trio.run(main)
+    low = max(base, BESIDE_NICE) if sys.platform == "linux" else base
+    assert got == [("caldrix step", base), ("caldrix prefill", low), ("caldrix prefill", low),
+                   ("caldrix prefill+", base)]

@@ -1,5 +1,5 @@
 """The scheduler task: it receives, steps and emits. Its steps run on the lanes' step threads
-(threads.py); everything else in sched/ is synchronous.
+(runners.py, threads.py); everything else in sched/ is synchronous.
 
 Admission and backpressure: the scheduler takes a submission off the request channel only when a
 slot is free for it, so the channel's buffer (--queue-depth) is exactly the queue of requests
@@ -23,7 +23,7 @@ from caldrix.batch import Batch, StepOutput
 from caldrix.protocol import FinishReason, Submission, TokenEvent
 from caldrix.sched.policy import Policy, Work
 from caldrix.sched.sequence import Sequence, Status
-from caldrix.sched.threads import StepThread
+from caldrix.sched.runners import DecodeLane, PrefillLane
 
 log = logging.getLogger("caldrix")
 
@@ -35,19 +35,6 @@ class StepEngine(Protocol):
 
 
 StepRunner = Callable[[Callable[[Batch], StepOutput], Batch], Awaitable[StepOutput]]
-
-
-def thread_runner(thread: StepThread) -> StepRunner:
-    """Run each step on `thread` (sched/threads.py), so the event loop keeps serving HTTP
-    while torch works. Not abandoned on cancel: a step that is still writing KV rows must
-    finish before anything else touches them."""
-
-    async def run(fn, batch):
-        return await thread.run(fn, batch)
-
-    run.threaded = True
-    run.thread = thread
-    return run
 
 
 @attrs.frozen
@@ -69,26 +56,11 @@ class Landed:
     error: Exception | None = None
 
 
-def _decode_runner() -> StepRunner:
-    return thread_runner(StepThread("caldrix step"))
-
-
 def _prefill_runner(sched: "Scheduler") -> StepRunner:
-    # A threaded decode lane gets a threaded prefill lane: a chunk beside decode steps (one
-    # thread) runs on a thread of its own, and a chunk given every core runs on the decode
-    # lane's thread, so that OpenMP keeps a single team (sched/threads.py). A runner given by a
-    # test (inline) serves both lanes.
+    # A threaded decode lane gets a threaded prefill lane (sched/runners.py); a runner given by
+    # a test (inline) serves both lanes.
     decode = sched.run_step
-    if not getattr(decode, "threaded", False):
-        return decode
-    beside = StepThread("caldrix prefill")
-
-    async def run(fn, batch):
-        return await (beside.run(fn, batch) if batch.threads == 1 else decode.thread.run(fn, batch))
-
-    run.threaded = True
-    run.thread = beside
-    return run
+    return PrefillLane(decode) if isinstance(decode, DecodeLane) else decode
 
 
 @attrs.define(eq=False)
@@ -105,7 +77,7 @@ class Scheduler:
 
     engine: StepEngine
     policy: Policy
-    run_step: StepRunner = attrs.field(factory=_decode_runner)  # the decode lane
+    run_step: StepRunner = attrs.field(factory=DecodeLane)  # the decode lane
     run_prefill: StepRunner = attrs.field(default=attrs.Factory(_prefill_runner, takes_self=True))
     on_finish: Callable[[Sequence], None] | None = None  # telemetry hook, called synchronously
     failed: str | None = None  # set once the engine has failed: the server answers 503
@@ -135,8 +107,7 @@ class Scheduler:
             await self._serve(requests, task_status)
         finally:
             for lane in (self.run_step, self.run_prefill):
-                thread = getattr(lane, "thread", None)
-                if thread is not None:
+                for thread in getattr(lane, "threads", ()):
                     thread.close()  # nothing is in flight: both lanes' steps were awaited
 
     async def _serve(self, requests: trio.MemoryReceiveChannel[Submission], task_status) -> None:

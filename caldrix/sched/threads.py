@@ -19,7 +19,9 @@ over. `close` ends the thread after its last call; whoever created the StepThrea
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 from typing import Callable, TypeVar
 
@@ -30,8 +32,12 @@ T = TypeVar("T")
 
 
 class StepThread:
-    def __init__(self, name: str):
+    """`nice`: the thread's own scheduling priority on Linux (0: the process's; 19: the lowest).
+    An unprivileged thread cannot raise its priority again, so it is set once, as it starts."""
+
+    def __init__(self, name: str, *, nice: int = 0):
         self.name = name
+        self.nice = nice
         # Unbounded in type, bounded in use: each call's task waits for it before handing over
         # another, so the queue holds at most one call per task using this thread (two lanes).
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -46,6 +52,11 @@ class StepThread:
                 self._thread.start()
 
     def _serve(self) -> None:
+        if self.nice and sys.platform == "linux":  # Linux: a thread's priority is its own
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError:  # a container may refuse it: the thread keeps the process's
+                pass
         while True:
             call = self._calls.get()
             if call is None:
