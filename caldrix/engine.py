@@ -73,6 +73,7 @@ class Engine:
         # check_lanes(), which Engine.load runs; an engine built otherwise runs one step at a time.
         self.lanes_why: str | None = "not checked"
         self.scripted_rows = False  # decode-form layers run as one TorchScript call (models/scripted.py)
+        self.scripted_pass = False  # and the embedding, head and arg-max with them (scripted.decode_logits)
         # Decode-form attention through the compiled kernel (models/native.py), for every decode
         # pass or none: its bits are not SDPA's, and a reply must not depend on the step.
         self.native_attend = native.usable(self.dtype, model.cfg.head_dim, device)
@@ -113,6 +114,7 @@ class Engine:
             use_q8 = engine.int4_ours or max_batch == 1
             engine.int4_head = use_q8 and q4.head_from_gguf(model, int4_from)
             engine.scripted_rows = q4.script_decode_rows(model)
+            engine.scripted_pass = engine.scripted_rows and engine.int4_head and q4.script_decode_logits(model)
         engine.check_lanes()
         return engine
 
@@ -251,16 +253,18 @@ class Engine:
         picked: dict[int, list[int]] = {}  # id(run) -> tokens
         reads: dict[int, list[float]] = {}
         if decode:
-            logits = self.model.logits(self._decode(decode))  # [rows, V]: the runs' rows in order, then padding
+            logits, top = self._decode_logits(decode)  # [rows, V]: the runs' rows in order, then padding
             first = [0]  # first[i]: decode[i]'s first row
             for r in decode:
                 first.append(first[-1] + len(r.token_ids))
             # Plain greedy rows share one arg-max call (exact, so it cannot depend on batch mates);
-            # at 8 rows that is about 0.4 ms a step less than one call per row.
+            # at 8 rows that is about 0.4 ms a step less than one call per row. The scripted pass
+            # made that call already (`top`, every row's arg-max).
             plain = [i for i, r in enumerate(decode) if r.pick_at and _plain_greedy(r)]
             rows = [first[i] + o for i in plain for o in decode[i].pick_at]
-            tokens = iter(greedy_batch(logits[rows]) if len(rows) > 1 else ())
-            for i in plain if len(rows) > 1 else ():
+            shared = top is not None or len(rows) > 1
+            tokens = iter(([top[j] for j in rows] if top is not None else greedy_batch(logits[rows])) if shared else ())
+            for i in plain if shared else ():
                 r = decode[i]
                 picked[id(r)] = [next(tokens) for _ in r.pick_at]
                 last = first[i] + r.pick_at[-1]
@@ -279,16 +283,31 @@ class Engine:
             tuple(RunOutput(tuple(picked.get(id(r), ())), tuple(reads.get(id(r), ()))) for r in batch.runs)
         )
 
-    def _decode(self, runs: list[Run]) -> torch.Tensor:
-        """Decode rows -> hidden [rows, D]: one row per run, or one per token of a verify run,
-        each attending over exactly the keys up to its own position, as a one-row step does."""
+    def _decode_inputs(self, runs: list[Run]) -> tuple[torch.Tensor, Attend]:
+        """Decode rows' token ids [rows] and their Attend: one row per run, or one per token of
+        a verify run, each attending over exactly the keys up to its own position, as a
+        one-row step does."""
         pad = self.max_batch - len(runs) if self.pad_decode else 0
         positions = [p for r in runs for p in range(r.start, r.end)]
         slots = tuple(r.slot for r in runs for _ in r.token_ids) + (self.max_batch,) * pad  # padding rows: the scratch slot
         lengths = tuple(p + 1 for p in positions) + (0,) * pad
         pos = torch.tensor(positions + [0] * pad)
         at = Attend("decode", slots, pos, pos, lengths, torch.tensor(slots), self.native_attend)
-        return self.model(torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad), at, self.kv)
+        return torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad), at
+
+    def _decode(self, runs: list[Run]) -> torch.Tensor:
+        """Decode rows -> hidden [rows, D] (see _decode_inputs)."""
+        ids, at = self._decode_inputs(runs)
+        return self.model(ids, at, self.kv)
+
+    def _decode_logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int] | None]:
+        """Decode rows -> (fp32 logits [rows, V], every row's arg-max or None): one scripted call
+        where the model has it (Decoder.decode_logits), else the layers, then the head."""
+        ids, at = self._decode_inputs(runs)
+        got = self.model.decode_logits(ids, at, self.kv)
+        if got is not None:
+            return got[0], got[1].tolist()
+        return self.model.logits(self.model(ids, at, self.kv)), None
 
 
 def pick_run(r: Run, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float]]:

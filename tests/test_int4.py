@@ -218,6 +218,31 @@ def test_scripted_decode_layers_give_the_eager_bits(smollm2_dir, gguf_file):
     eager, scripted = logits(False), logits(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, scripted))
 
+    # The whole pass as one call (scripted.decode_logits: embedding, layers, norm, Q8_0 head,
+    # arg-max), as Engine.step takes it: the same logits, and the arg-max of each row.
+    assert engine.scripted_pass and engine.model.logits_fn is not None
+    engine.model.stack_fn = fn
+    whole_fn = engine.model.logits_fn
+
+    def passes(whole: bool) -> list[tuple[torch.Tensor, list[int] | None]]:
+        engine.model.logits_fn = whole_fn if whole else None
+        prompts = [tuple(range(500, 530)), tuple(range(700, 711)), tuple(range(900, 947))]
+        for slot, p in enumerate(prompts):
+            engine.step(Batch((Run(slot, 0, p, ()),)))
+        out = []
+        for i, t in enumerate((11, 4000, 37, 29000)):
+            out.append(engine._decode_logits([Run(0, len(prompts[0]) + i, (t,), (0,))]))
+            out.append(engine._decode_logits([Run(s, len(p) + i, (t + s,), (0,)) for s, p in enumerate(prompts)]))
+        verify = Run(1, len(prompts[1]) + 4, (5, 812, 77, 3), (0, 1, 2, 3), verify=True)
+        out.append(engine._decode_logits([verify, Run(2, len(prompts[2]) + 4, (9,), (0,))]))
+        return out
+
+    layered, whole = passes(False), passes(True)
+    assert all(top is None for _, top in layered) and all(top is not None for _, top in whole)
+    for (a, _), (b, top) in zip(layered, whole):
+        assert torch.equal(a, b) and top == torch.argmax(a, dim=-1).tolist()
+    assert torch.equal(whole[0][0], eager[0])  # and the first pass is the eager one's, bit for bit
+
 
 def test_the_tensor_index_reads_what_the_gguf_package_reads(gguf_file):
     """models/gguf_index.py skips the metadata values gguf.GGUFReader parses (7 s of the

@@ -263,6 +263,10 @@ class Decoder(nn.Module):
         # llama: a decode-form pass through all layers as one TorchScript call.
         self.stack_fn = None
         self.stack_weights: list[torch.Tensor] = []
+        # scripted.decode_logits and the Q8_0 head's operands, set by the engine where the stack
+        # is and the head is Q8_0 blocks: the whole decode pass, head and arg-max, as one call.
+        self.logits_fn = None
+        self.head_weights: list[torch.Tensor] = []
         self.cos = self.sin = None  # set by setup_rope
 
     def setup_rope(self, rows: int) -> None:
@@ -283,6 +287,19 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, at, kv)
         return x
+
+    def decode_logits(self, token_ids: torch.Tensor, at: Attend, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode-form pass straight to (fp32 logits [T, V], their arg-max [T]) as one scripted
+        call, the same bits as logits(forward(...)); None where that call is not set up or the
+        rows exceed the 4-bit kernel's (the caller then takes forward and logits)."""
+        if self.logits_fn is None or at.kind != "decode" or token_ids.shape[0] > self.layers[0].wqkv.max_int4_rows:
+            return None
+        cfg = self.cfg
+        return self.logits_fn(token_ids, self.embed.weight, self.cos, self.sin, at.positions, self.stack_weights,
+                              cfg.rms_norm_eps, kv.k, kv.v, list(at.slots), list(at.lengths), at.slot_index,
+                              at.write_rows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              1.0 / math.sqrt(cfg.head_dim), at.native, self.layers[0].wqkv.ours,
+                              self.norm.weight, self.head_weights)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits [N, V]."""

@@ -143,6 +143,22 @@ def script_decode_rows(model: nn.Module) -> bool:
     return True
 
 
+def script_decode_logits(model: nn.Module) -> bool:
+    """Where the decode layers are scripted and the head is Q8_0 blocks through the same kernel,
+    give the model the whole decode pass, head and arg-max included, as one TorchScript call
+    (scripted.decode_logits). Whether it did."""
+    from caldrix.models import scripted
+
+    head = scripted.head_weights(model.head)
+    if model.stack_fn is None or head is None or model.head.ours != model.layers[0].wqkv.ours:
+        return False
+    fn = scripted.compile_stack(scripted.decode_logits)
+    if fn is None:
+        return False
+    model.logits_fn, model.head_weights = fn, head
+    return True
+
+
 def set_max_int4_rows(model: nn.Module, rows: int) -> None:
     for module in model.modules():
         if isinstance(module, Int4Linear):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import List
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,27 @@ def decode_stack(x: Tensor, weights: List[Tensor], eps: float, Ks: Tensor, Vs: T
     return x
 
 
+def decode_logits(ids: Tensor, embed_w: Tensor, rope_cos: Tensor, rope_sin: Tensor, positions: Tensor,
+                  weights: List[Tensor], eps: float, Ks: Tensor, Vs: Tensor, slots: List[int], lengths: List[int],
+                  slot_index: Tensor, write_rows: Tensor, h: int, g: int, e: int, scale: float, native: bool,
+                  ours: bool, norm_w: Tensor, head: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    """A whole decode-form pass, ids [T] -> (float32 logits [T, V], their arg-max [T]): the
+    embedding and RoPE tables of Decoder.forward, `decode_stack`, the final norm of
+    Decoder.logits and the Q8_0 head's two halves (q4.Q8AsInt4Linear, `head` = hi packed, hi
+    scales, lo packed, lo scales), the same calls in the same order. One call from Python a
+    step: the step thread then wins the GIL back from the event loop once, not once per call
+    (docs/performance.md, "the event loop's share and the GIL")."""
+    x = F.embedding(ids, embed_w)
+    cos = rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, E]
+    sin = rope_sin[positions].to(x.dtype).unsqueeze(1)
+    x = decode_stack(x, weights, eps, Ks, Vs, slots, lengths, slot_index, write_rows, cos, sin, h, g, e, scale,
+                     native, ours)
+    hn = (norm_w * F.rms_norm(x.float(), [x.shape[1]], None, eps).to(x.dtype)).contiguous()  # decoder.rms_norm
+    hi = int4_mm(hn, head[0], head[1], ours)
+    logits = hi.float() + int4_mm(hn, head[2], head[3], ours).float()
+    return logits, torch.argmax(logits, dim=-1)
+
+
 def stack_weights(layers) -> list[Tensor]:
     """The tensors `decode_stack` reads, 10 a layer, in its order."""
     out: list[Tensor] = []
@@ -102,15 +123,24 @@ def stack_weights(layers) -> list[Tensor]:
     return out
 
 
-def compile_stack():
-    """The scripted `decode_stack`, or None where torch.jit cannot script it."""
+def compile_stack(fn=decode_stack):
+    """The scripted `decode_stack` (or `decode_logits`), or None where torch.jit cannot script it."""
     from caldrix.models import native
 
     native.load()  # caldrix::decode_attend must exist, compiled or not, for the script to name it
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            return torch.jit.script(decode_stack)
+            return torch.jit.script(fn)
     except Exception as exc:  # noqa: BLE001 -- an optional speed-up; the eager path is always there
-        log.warning("decode layers run eager: torch.jit.script failed (%s)", exc)
+        log.warning("decode %s runs eager: torch.jit.script failed (%s)", fn.__name__, exc)
         return None
+
+
+def head_weights(head) -> list[Tensor] | None:
+    """`decode_logits`'s head operands for a q4.Q8AsInt4Linear, else None."""
+    from caldrix.models.q4 import Q8AsInt4Linear
+
+    if not isinstance(head, Q8AsInt4Linear):
+        return None
+    return [head.hi_packed, head.hi_scale_zero, head.lo_packed, head.lo_scale_zero]
