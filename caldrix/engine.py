@@ -263,7 +263,8 @@ class Engine:
             plain = [i for i, r in enumerate(decode) if r.pick_at and _plain_greedy(r)]
             rows = [first[i] + o for i in plain for o in decode[i].pick_at]
             shared = top is not None or len(rows) > 1
-            tokens = iter(([top[j] for j in rows] if top is not None else greedy_batch(logits[rows])) if shared else ())
+            if shared:
+                tokens = iter([top[j] for j in rows] if top is not None else greedy_batch(logits[rows]))
             for i in plain if shared else ():
                 r = decode[i]
                 picked[id(r)] = [next(tokens) for _ in r.pick_at]

@@ -43,7 +43,6 @@ def pick_lane(backend: str) -> str:
 async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load and serve until a signal (or cancellation). Model loading blocks a thread of its own."""
     from caldrix.runtime import load_runtime
-
     from caldrix.sched.threads import StepThread
 
     # Loading runs torch's parallel kernels. On a thread that ends with it, the OpenMP team it

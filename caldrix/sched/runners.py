@@ -15,8 +15,8 @@ of our own).
   process of the default priority). Chunks beside decode then run on a thread at the
   process's priority, "caldrix prefill+", for `FAIR_HOLD_S`.
 
-A runner has the StepRunner shape (`await runner(fn, batch)`), `threaded = True`, and
-`threads`: the StepThreads it owns, which the scheduler closes when its run ends.
+A runner has the StepRunner shape (`await runner(fn, batch)`) and `threads`: the StepThreads
+it owns, which the scheduler closes when its run ends.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ FAIR_HOLD_S = 30.0  # how long chunks beside decode keep the process's priority 
 class DecodeLane:
     """Every step on one thread ("caldrix step")."""
 
-    threaded = True
-
     def __init__(self, thread: StepThread | None = None):
         self.thread = thread or StepThread("caldrix step")
         self.threads = (self.thread,)
@@ -60,8 +58,6 @@ def _with_cpu_share(fn: Callable[[Batch], StepOutput], batch: Batch) -> tuple[St
 class PrefillLane:
     """Chunks given every core on the decode lane's thread; chunks beside decode on the
     low-priority thread, or on a fair one while the valve is open (module docstring)."""
-
-    threaded = True
 
     def __init__(self, decode: DecodeLane):
         self.decode = decode

@@ -3,13 +3,14 @@
 Why not trio's worker threads: OpenMP (libgomp, the runtime torch's CPU kernels use) keeps a
 team of helper threads for each thread that starts parallel work, and it counts every team's
 threads. Once the count passes the machine's cores it stops letting idle helpers spin and puts
-them to sleep at once, so each of a decode step's ~150 parallel kernel calls pays a futex
-wake-up (about 50 us on a 2-core VM). trio hands a job to whichever cached thread is idle, so
-the model load, the decode lane and the prefill lane each grew a team: 4 threads counted on 2
-cores, and a one-row step took 5.7 ms in the server against 4.7 ms in one thread
-(docs/performance.md, "One OpenMP team"). With one StepThread for all work that uses every core
-(the load, decode steps, chunks run alone) and another for chunks beside decode (one thread:
-no team), libgomp counts exactly the cores.
+them to sleep at once, so each of a decode step's ~150 parallel kernel calls pays a wake-up
+(about 50 us each on a 2-core VM: a one-row step took 12-14 ms instead of 4.7-5.6). trio hands a
+job to whichever cached thread is idle, so the model load, the decode lane and the prefill lane
+could each grow a team, and a server ran fast or slow by which thread had run what: 8 streams
+at 308-323 or 535-555 tok/s (docs/performance.md, "one OpenMP team"). With the load on a thread
+that ends with it, one StepThread for all other work that uses every core (decode steps, chunks
+run alone) and others for chunks beside decode (one thread: no team), libgomp counts exactly
+the cores.
 
 Contract: `run` blocks the calling task (not the event loop) until the call returns, and is
 never abandoned on cancel: a step that is writing KV rows must finish before anything touches
