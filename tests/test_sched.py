@@ -248,10 +248,10 @@ def test_a_prompt_chunk_runs_beside_decode_steps_on_one_core_each():
         # thread, sched/runners.py)
         for bt, name in engine.ran_on:
             b_prefill = bt.threads == 1 and any(r.slot == 1 for r in bt.runs)  # b's prompt, beside a
-            assert name in (("caldrix prefill", "caldrix prefill+") if b_prefill else ("caldrix step",)), (bt, name)
+            assert name in (("caldrix prefill", "caldrix fair") if b_prefill else ("caldrix step",)), (bt, name)
         names = [name for _, name in engine.ran_on]
         assert "caldrix step" in names and "caldrix prefill" in names
-        assert not {"caldrix step", "caldrix prefill", "caldrix prefill+"} & {t.name for t in threading.enumerate()}
+        assert not {"caldrix step", "caldrix prefill", "caldrix fair"} & {t.name for t in threading.enumerate()}
 
     trio.run(main)
 

@@ -38,6 +38,16 @@ def test_calls_run_in_order_on_one_thread_and_return_or_raise():
     assert "t-test" not in {t.name for t in threading.enumerate()}  # closed: the thread ended
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the OS thread name is set on Linux")
+def test_the_os_sees_the_thread_by_its_name():
+    def comm() -> str:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            return f.read().strip()
+
+    with StepThread("caldrix prefill") as t, StepThread("a name over fifteen bytes") as u:
+        assert t.call(comm) == "caldrix prefill" and u.call(comm) == "a name over fif"
+
+
 def test_two_tasks_share_the_thread_one_call_at_a_time():
     active = []
     overlap = []
@@ -128,4 +138,4 @@ def test_the_prefill_lane_picks_threads_and_opens_its_valve_when_a_chunk_starves
     got = trio.run(main)
     low = max(base, BESIDE_NICE) if sys.platform == "linux" else base
     assert got == [("caldrix step", base), ("caldrix prefill", low), ("caldrix prefill", low),
-                   ("caldrix prefill+", base)]
+                   ("caldrix fair", base)]

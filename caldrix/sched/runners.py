@@ -13,7 +13,7 @@ of our own).
   the wall clock) means something else busy shares the machine, and at a low priority the
   newcomer's prompt would wait for it (nice 10 gets about a tenth of a core against a busy
   process of the default priority). Chunks beside decode then run on a thread at the
-  process's priority, "caldrix prefill+", for `FAIR_HOLD_S`.
+  process's priority, "caldrix fair", for `FAIR_HOLD_S`.
 
 A runner has the StepRunner shape (`await runner(fn, batch)`) and `threads`: the StepThreads
 it owns, which the scheduler closes when its run ends.
@@ -62,7 +62,7 @@ class PrefillLane:
     def __init__(self, decode: DecodeLane):
         self.decode = decode
         self.low = StepThread("caldrix prefill", nice=BESIDE_NICE)
-        self.fair = StepThread("caldrix prefill+")
+        self.fair = StepThread("caldrix fair")
         self.threads = (self.low, self.fair)
         self.fair_until = 0.0  # monotonic time until which the valve stays open
 
