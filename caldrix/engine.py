@@ -177,8 +177,10 @@ class Engine:
                 h1 = self.model(ids[:n1], Attend("prefill", (0,), torch.arange(n1), torch.arange(n1)), self.kv)
                 rows = torch.arange(n1, n1 + n2)
                 h2 = self.model(ids[n1:n1 + n2], Attend("prefill", (0,), rows, rows), self.kv)
-                d = self._decode([Run(0, n1 + n2, (int(ids[-1]),), (0,))])
-                got[threads] = (h1, h2, d, self.model.logits(d))
+                step = [Run(0, n1 + n2, (int(ids[-1]),), (0,))]
+                # the hidden rows, then the logits as a decode step makes them (the whole scripted
+                # pass where there is one); the second pass rewrites the same KV row alike
+                got[threads] = (h1, h2, self._decode(step), self._decode_logits(step)[0])
         finally:
             torch.set_num_threads(saved)
             self._rows[0] = []
@@ -217,13 +219,12 @@ class Engine:
         try:
             torch.set_num_threads(self.threads_for(0))
             self.model(torch.tensor(prompt), Attend("prefill", (0,), torch.arange(start), torch.arange(start)), self.kv)
-            one = torch.cat([self.model.logits(self._decode([Run(0, start + i, (t,), (0,))]))
-                             for i, t in enumerate(rows)])
+            one = torch.cat([self._decode_logits([Run(0, start + i, (t,), (0,))])[0] for i, t in enumerate(rows)])
             # The thread counts a decode step gets: the engine's, and one where the lanes overlap.
             for threads in sorted({self.threads_for(0)} | ({1} if self.overlap_lanes else set())):
                 torch.set_num_threads(threads)
                 run = Run(0, start, tuple(rows), tuple(range(len(rows))), verify=True)
-                many = self.model.logits(self._decode([run]))
+                many = self._decode_logits([run])[0]
                 if not torch.equal(one, many):
                     bad = int((one != many).any(dim=-1).nonzero()[0])
                     why = (f"a verify pass of {len(rows)} rows on {threads} thread(s) computes row {bad} differently "
