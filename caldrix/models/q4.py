@@ -5,8 +5,8 @@ Three kernels take them as they are. caldrix::q4_mm (q4mm.cpp, CPUs with AVX512-
 the nibbles in its own column-group layout (`q4_mm_layout`) with d and m in float16, as the GGUF
 stores them, for bfloat16 rows. caldrix::q4_mm_f32 (q4mm_f32.cpp, CPUs with AVX2, FMA and
 F16C) does the same for float32 rows, in another layout (`q4_mm_f32_layout`): the engine of a
-CPU without native bfloat16. torch's int4 weight-only kernel computes w = (q - 8) * scale + zero per group, so the
-GGUF's q values go in unchanged with scale = d and zero = m + 8 d, rounded to bfloat16, the
+CPU without native bfloat16. torch's int4 weight-only kernel computes w = (q - 8) * scale +
+zero per group, so the GGUF's q values go in unchanged with scale = d and zero = m + 8 d, rounded to bfloat16, the
 kernel's dtype; it serves a bfloat16 engine where q4_mm is not built.
 
 llama.cpp's converter stores the q and k projections with their rows permuted (for its

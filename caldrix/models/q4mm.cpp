@@ -170,12 +170,12 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm
     }
   auto y = at::empty({T, N}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
+  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());  // float16 bits
   // Rows in chunks of 8, each chunk a pass over the weights: a row's result is the same in
   // any chunk, so the split never changes it.
   for (int64_t t0 = 0; t0 < T; t0 += ROWS_AT_ONCE) {
     const int64_t R = std::min(ROWS_AT_ONCE, T - t0);
-    dispatch(R, xp + t0 * K, sums.data() + t0 * blocks, qw.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), yp + t0 * N,
-             K, N);
+    dispatch(R, xp + t0 * K, sums.data() + t0 * blocks, qw.data_ptr<uint8_t>(), dmp, yp + t0 * N, K, N);
   }
   return y;
 }
