@@ -184,14 +184,18 @@ def test_q4_mm_layout_keeps_the_gguf_float16_scales_and_refuses_others():
 def test_q4_mm_rows_depend_on_themselves_alone(q4_mm):
     from caldrix.models import q4
 
-    q, d, m, _ = q4_weights(1024, 576)
+    # 65 column groups: the prefill path's pairs of groups leave one over. 130 rows: a prefill
+    # chunk's worth, which takes that path (more than 8 rows), against calls of up to 8 rows.
+    q, d, m, _ = q4_weights(1040, 576)
     qw, dm = q4.q4_mm_layout(q, d, m)
-    x = torch.randn(12, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(130, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
     outs = on_threads(lambda: q4_mm(x, qw, dm))
     assert torch.equal(outs[0], outs[1])
-    for i in (0, 7, 8, 11):  # either side of the 8-row passes
+    for i in (0, 7, 8, 11, 129):  # either side of the 8-row passes
         assert torch.equal(q4_mm(x[i : i + 1], qw, dm)[0], outs[0][i])
     assert torch.equal(q4_mm(x[3:10], qw, dm), outs[0][3:10])
+    assert torch.equal(q4_mm(x[3:11], qw, dm), outs[0][3:11])
+    assert torch.equal(q4_mm(x[100:], qw, dm), outs[0][100:])
 
 
 def test_q4_mm_refuses_what_it_cannot_take(q4_mm):

@@ -11,7 +11,9 @@
 // output columns, one a lane, and each column group is computed whole by one thread, in a fixed
 // order: per block, vdpbf16ps steps over its 32 k's (two products a lane a step) from zero,
 // then the block's sum is scaled by d and (m - 128 d) * S_b is added (S_b: the block's sum of
-// x), blocks in order. Rows run in passes of 8 over the weights, which changes no row's result.
+// x), blocks in order. Rows run in passes of 8 over the weights, which changes no row's result;
+// calls of more than 8 rows (prefill chunks) make the passes per pair of column groups instead,
+// the same arithmetic in another loop order, so those rows' results are the same too.
 // The products are exact in float32 (8-bit mantissas); d and m are the GGUF's float16 values,
 // widened to float32 exactly, and m - 128 d is one float32 rounding (an FMA; 128 d is exact).
 //
@@ -140,6 +142,86 @@ void dispatch(int64_t R, const c10::BFloat16* x, const float* sums, const uint8_
   }
 }
 
+// G column groups for R rows: a pass of `many` below. The same arithmetic as `groups`, with the
+// running totals kept in memory rather than registers (they are touched once a block), so that
+// G x R partial sums fit in the registers and each broadcast of x serves G groups.
+template <int G, int R>
+inline void groups_many(const uint8_t* qg, const uint16_t* dg, const c10::BFloat16* x, const float* sums,
+                        int64_t K, c10::BFloat16* y, int64_t N, int64_t gi) {
+  const __m512i nib = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
+  const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
+  alignas(64) float total[G][R][COLS] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 part[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) part[g][r] = _mm512_setzero_ps();
+    for (int64_t k4 = 0; k4 < BLOCK / 4; ++k4) {
+      const int64_t k = b * BLOCK + 4 * k4;
+      __m512bh lo[G], hi[G];
+      for (int g = 0; g < G; ++g) {
+        const __m512i bytes =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + g * stride + k * 8)));
+        lo[g] = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, nib), bias);
+        hi[g] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + k);
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(xr[0]), x1 = (__m512bh)_mm512_set1_epi32(xr[1]);
+        for (int g = 0; g < G; ++g) {
+          part[g][r] = _mm512_dpbf16_ps(part[g][r], lo[g], x0);
+          part[g][r] = _mm512_dpbf16_ps(part[g][r], hi[g], x1);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* dgb = dg + g * dstride + b * 2 * COLS;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb + COLS)));
+      const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  // m - 128 d
+      for (int r = 0; r < R; ++r)
+        _mm512_store_ps(total[g][r], _mm512_fmadd_ps(m128, _mm512_set1_ps(sums[r * blocks + b]),
+                                                     _mm512_fmadd_ps(d, part[g][r], _mm512_load_ps(total[g][r]))));
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < COLS; ++c) y[r * N + (gi + g) * COLS + c] = c10::BFloat16(total[g][r][c]);
+}
+
+template <int G>
+inline void pass_many(int64_t R, const c10::BFloat16* x, const float* sums, const uint8_t* qg, const uint16_t* dg,
+                      int64_t K, c10::BFloat16* y, int64_t N, int64_t gi) {
+  switch (R) {
+#define CASE(n) \
+  case n: groups_many<G, n>(qg, dg, x, sums, K, y, N, gi); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+  }
+}
+
+// More than 8 rows (prefill chunks): one split of the column groups between the threads, and
+// for each pair of groups passes over all rows, 8 at a time, while their nibbles stay in the L1
+// cache. Each column's arithmetic is the same as in `rows`; only the loop order differs.
+constexpr int MANY_G = 2;
+
+void many(int64_t T, const c10::BFloat16* x, const float* sums, const uint8_t* qw, const uint16_t* dm,
+          c10::BFloat16* y, int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
+  at::parallel_for(0, N / COLS, MANY_G, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end;) {
+      const bool two = gi + MANY_G <= end;
+      for (int64_t t0 = 0; t0 < T; t0 += ROWS_AT_ONCE) {
+        const int64_t R = std::min(ROWS_AT_ONCE, T - t0);
+        if (two)
+          pass_many<MANY_G>(R, x + t0 * K, sums + t0 * blocks, qw + gi * stride, dm + gi * dstride, K, y + t0 * N, N, gi);
+        else
+          pass_many<1>(R, x + t0 * K, sums + t0 * blocks, qw + gi * stride, dm + gi * dstride, K, y + t0 * N, N, gi);
+      }
+      gi += two ? MANY_G : 1;
+    }
+  });
+}
+
 at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "q4_mm: x is a contiguous bfloat16 CPU [T, K]");
@@ -173,10 +255,11 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm
   const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());  // float16 bits
   // Rows in chunks of 8, each chunk a pass over the weights: a row's result is the same in
   // any chunk, so the split never changes it.
-  for (int64_t t0 = 0; t0 < T; t0 += ROWS_AT_ONCE) {
-    const int64_t R = std::min(ROWS_AT_ONCE, T - t0);
-    dispatch(R, xp + t0 * K, sums.data() + t0 * blocks, qw.data_ptr<uint8_t>(), dmp, yp + t0 * N, K, N);
+  if (T > ROWS_AT_ONCE) {
+    many(T, xp, sums.data(), qw.data_ptr<uint8_t>(), dmp, yp, K, N);
+    return y;
   }
+  dispatch(T, xp, sums.data(), qw.data_ptr<uint8_t>(), dmp, yp, K, N);
   return y;
 }
 
