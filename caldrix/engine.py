@@ -9,8 +9,9 @@ different result with a different row count, so a dense engine pads every decode
 `max_batch` rows; the 4-bit kernel gives each row the same result whatever the row count, so a
 4-bit engine runs only the active rows (both guarded by tests/test_engine.py and
 tests/test_int4.py batch-invariance tests). Attention runs per slot over exactly that slot's rows, and each prefill chunk is its own
-forward pass. Which 4-bit or dense kernel a call uses depends on its row count against
-`max_batch`, a property of the engine, never on how many requests are running.
+forward pass. Where a call may take either the 4-bit or the dense kernel (torch's int4 kernel
+keeps dense weights for prefill chunks; caldrix's takes every call), the choice depends on its
+row count against `max_batch`, a property of the engine, never on how many requests are running.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models import native
-from caldrix.models.decoder import Attend, Decoder, KVCache, load_decoder
+from caldrix.models.decoder import Attend, Decoder, DecoderConfig, KVCache, Pending, load_decoder
 from caldrix.sampler import greedy_batch, pick
 
 log = logging.getLogger("caldrix")
@@ -88,15 +89,21 @@ class Engine:
         """Load a Hugging Face directory. `int4_from`: the GGUF the directory was converted
         from; its Q4_1 projections then stay 4-bit (the CPU only: bfloat16, or float32 where
         caldrix::q4_mm_f32 is built)."""
-        model = load_decoder(path, dtype, device)
-        engine_int4 = 0
+        skip: frozenset[str] = frozenset()
         if int4_from is not None:
             from caldrix.models import q4
 
             if not q4.runs_4bit(dtype, device):
                 raise ValueError("4-bit weights need the cpu lane and --dtype bfloat16, or float32 on a CPU with "
                                  "AVX2, FMA and F16C")
+            skip = q4.dense_not_kept(int4_from, DecoderConfig.from_dir(path).num_layers, dtype)
+        model = load_decoder(path, dtype, device, skip=skip)
+        engine_int4 = 0
+        if int4_from is not None:
             engine_int4 = q4.quantize_from_gguf(model, int4_from)
+            pending = [name for name, module in model.named_modules() if isinstance(module, Pending)]
+            if pending:
+                raise RuntimeError(f"the 4-bit load left {pending[0]} without weights")
         ctx = min(model.cfg.max_positions, 8192) if context is None else context
         engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=not engine_int4)
         engine.int4_layers = engine_int4

@@ -3,6 +3,8 @@ and the real embedded SmolLM2. Also batch invariance and the host lane."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import trio
@@ -201,3 +203,30 @@ def test_a_mixed_decode_step_picks_what_each_run_picks_alone(tiny):
     alone = [engine.step(Batch((run,))).runs[0] for run in runs(firsts)]
     assert together == tuple(alone)
     assert len(together[3].read) == 3 and together[0].token_ids != ()
+
+
+def test_the_heap_loading_freed_goes_back_to_the_os():
+    """runtime.release_freed_heap, run once after loading, is glibc's malloc_trim; elsewhere it
+    says it could not. Freed pages of a heap it trimmed are no longer resident."""
+    import platform
+
+    from caldrix.runtime import release_freed_heap
+
+    if not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"):
+        assert release_freed_heap() is False
+        return
+    blocks = [bytearray(b"\1" * 64 * 1024) for _ in range(4096)]  # 256 MiB of heap chunks, every page touched
+    pin = bytearray(b"\1" * 64 * 1024)  # above them: free() alone cannot shrink the heap from its top
+    before = _rss_kib()
+    del blocks
+    freed = _rss_kib()
+    release_freed_heap()
+    assert _rss_kib() < min(before, freed) - 128 * 1024
+    del pin
+
+
+def _rss_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")

@@ -150,6 +150,48 @@ def test_a_step_that_depends_on_the_thread_count_keeps_the_lanes_apart(smollm2_d
     assert engine._rows[0] == []  # the probe leaves its slot empty
 
 
+@pytest.mark.parametrize("ours", [True, False], ids=["q4_mm", "torch-int4"])
+def test_only_torchs_int4_kernel_keeps_dense_projections(smollm2_dir, gguf_file, monkeypatch, ours):
+    """Through caldrix's kernel prefill chunks take the 4-bit blocks too, so the loader never
+    reads the dense projections (212 MB of bfloat16 for SmolLM2, a fifth of the server's peak
+    memory before); torch's int4 kernel is slower than the dense matmul for long chunks, so
+    there the dense weights are read and kept for them."""
+    from caldrix.models import native
+    from caldrix.models.tensor_files import TensorFiles
+
+    if ours and not native.has_q4_mm():
+        pytest.skip("caldrix::q4_mm is not built on this CPU")
+    if not ours:
+        monkeypatch.setattr(native, "has_q4_mm", lambda: False)
+    read = []
+    get = TensorFiles.get
+    monkeypatch.setattr(TensorFiles, "get", lambda self, name: read.append(name) or get(self, name))
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=2, context=256, int4_from=gguf_file)
+    projections = [m for b in engine.model.layers for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)]
+    assert engine.int4_ours is ours and all(isinstance(m, q4.Int4Linear) for m in projections)
+    assert all((m.dense is None) is ours for m in projections)
+    assert any("_proj." in name for name in read) is not ours
+    assert any("norm" in name for name in read) and any("embed_tokens" in name for name in read)
+    # A 160-token prompt in two chunks, then decode: the engine answers either way.
+    ids = tuple(range(1000, 1160))
+    (reply,) = generate(engine, [ids], 4, together=True)
+    assert len(reply) == 4
+
+
+def test_a_projection_the_loader_skipped_refuses_to_run(smollm2_dir):
+    from caldrix.models.decoder import Pending
+
+    skip = frozenset({"layers.0.wo.weight", "layers.3.w_down.weight"})
+    model = load_decoder(smollm2_dir, torch.bfloat16, skip=skip)
+    assert isinstance(model.layers[0].wo, Pending) and isinstance(model.layers[3].w_down, Pending)
+    assert model.layers[0].wo.in_features == model.cfg.num_heads * model.cfg.head_dim
+    assert isinstance(model.layers[1].wo, torch.nn.Linear)
+    with pytest.raises(RuntimeError, match="never loaded"):
+        model.layers[0].wo(torch.zeros(1, model.cfg.hidden_size, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="missing"):
+        load_decoder(smollm2_dir, torch.bfloat16, skip=frozenset({"layers.0.nothing.weight"}))
+
+
 def test_q8_0_head_reads_back_the_embedding(smollm2_dir, gguf_file):
     """The tied lm_head kept as two 4-bit halves of the GGUF's Q8_0 blocks: multiplying by the
     identity reads each weight back, which must equal the embedding transformers dequantized

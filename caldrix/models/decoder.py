@@ -309,14 +309,19 @@ class Decoder(nn.Module):
         return F.linear(self.norm(hidden), w).float()
 
 
-def load_decoder(path: Path, dtype: torch.dtype, device="cpu") -> Decoder:
+def load_decoder(path: Path, dtype: torch.dtype, device="cpu", skip: frozenset[str] = frozenset()) -> Decoder:
     """Build a Decoder from a Hugging Face directory, fusing q/k/v and gate/up on the way.
 
     Tensors are read one at a time (models/tensor_files.py) and cast to `dtype` as they come,
     so loading never holds the file's float32 weights beside their cast copies: reading the
     whole float32 state first made loading SmolLM2 peak at 1340 MiB for an engine that then
     holds about 800 (docs/performance.md). Casting pieces before concatenating them gives the
-    same values."""
+    same values.
+
+    `skip`: projection weights (layers.<i>.<wqkv|wo|w_gate_up|w_down>.weight) not to read at
+    all; their modules are Pending placeholders, for the caller to replace before any forward
+    (the 4-bit load, q4.dense_not_kept: reading them only to drop them made loading's peak
+    memory)."""
     from caldrix.models.tensor_files import TensorFiles
 
     cfg = DecoderConfig.from_dir(path)
@@ -338,14 +343,34 @@ def load_decoder(path: Path, dtype: torch.dtype, device="cpu") -> Decoder:
             p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
             ours[p + "input_norm.weight"] = take(p + "input_layernorm.weight")
             ours[p + "post_norm.weight"] = take(p + "post_attention_layernorm.weight")
-            ours[p + "wqkv.weight"] = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
-            ours[p + "wo.weight"] = take(a + "o_proj.weight")
-            ours[p + "w_gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-            ours[p + "w_down.weight"] = take(m + "down_proj.weight")
+            parts = {"wqkv": (a + "q_proj", a + "k_proj", a + "v_proj"), "wo": (a + "o_proj",),
+                     "w_gate_up": (m + "gate_proj", m + "up_proj"), "w_down": (m + "down_proj",)}
+            for proj, names in parts.items():
+                if p + proj + ".weight" not in skip:
+                    ours[p + proj + ".weight"] = torch.cat([take(n + ".weight") for n in names])
             if cfg.arch == "qwen3":
                 ours[p + "q_norm.weight"] = take(a + "q_norm.weight")
                 ours[p + "k_norm.weight"] = take(a + "k_norm.weight")
     with torch.device("meta"):
         model = Decoder(cfg)
-    model.load_state_dict(ours, strict=True, assign=True)
+    missing, unexpected = model.load_state_dict(ours, strict=False, assign=True)
+    if unexpected or set(missing) != set(skip):
+        raise RuntimeError(f"loading {path}: unexpected weights {sorted(unexpected)[:3]}, "
+                           f"missing {sorted(set(missing) ^ set(skip))[:3]}")
+    for name in skip:
+        owner, proj, _ = name.rsplit(".", 2)
+        linear = getattr(model.get_submodule(owner), proj)
+        setattr(model.get_submodule(owner), proj, Pending(linear.out_features, linear.in_features))
     return model.to(device).eval().requires_grad_(False)
+
+
+class Pending(nn.Module):
+    """A projection whose weights load_decoder did not read: the 4-bit load replaces it
+    (q4.quantize_from_gguf). Running one means that never happened."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a projection whose weights were never loaded ran")

@@ -84,10 +84,12 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.argsort(perm)
 
 
-# Rows per call up to which the 4-bit kernel is used; the engine sets it to --max-batch, so
-# every decode step takes the 4-bit path and prefill chunks the dense one. Measured on 2 cores
-# (bf16, one thread, SmolLM2's gate/up projection): 4-bit 70/135/265 us at 1/4/8 rows against
-# dense 153/165/203 us; at 128-row prefill chunks 540 tokens/s against the dense 930.
+# Rows per call up to which torch's int4 kernel is used where an Int4Linear keeps dense weights
+# beside its blocks (only torch's kernel does); the engine sets it to --max-batch, so every
+# decode step takes the 4-bit path and prefill chunks the dense one. Measured on 2 cores (bf16,
+# one thread, SmolLM2's gate/up projection): 4-bit 70/135/265 us at 1/4/8 rows against dense
+# 153/165/203 us; at 128-row prefill chunks 540 tokens/s against the dense 930. caldrix's own
+# kernels take every call: at 128 rows as fast as the dense matmul (docs/performance.md).
 MAX_INT4_ROWS = 8
 
 
@@ -196,7 +198,8 @@ class Int4Linear(nn.Module):
     kernel (bfloat16 only); `packed` and `scale_zero` hold that kernel's operands either way. An
     engine picks one kernel for all its layers (quantize_from_gguf): the two round differently.
     Calls of more than `max_int4_rows` rows (prefill chunks) use `dense`, the same weights
-    dequantized, when one is given: compute-bound work is faster there."""
+    dequantized, when one is given: quantize_from_gguf gives one only for torch's kernel, which
+    is slower than the dense matmul there."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None,
                  ours: bool = False, dtype: torch.dtype = torch.bfloat16):
@@ -276,18 +279,59 @@ def head_from_gguf(model: nn.Module, gguf_path: Path) -> bool:
     return True
 
 
+# A decoder layer's fused projections and the GGUF tensors each is made of, in order.
+PROJECTIONS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
+               "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
+
+
+def plan_4bit(gguf_path: Path, num_layers: int, dtype: torch.dtype) -> tuple[bool, list[tuple[int, str]]]:
+    """From the GGUF's tensor index alone, nothing unpacked: (whether caldrix's own kernel will
+    run the 4-bit layers, the (layer, projection) pairs whose tensors are all Q4_1 and so become
+    Int4Linear). One kernel serves every 4-bit layer: caldrix's where it is built for `dtype`
+    and takes every shape, else torch's (bfloat16 only; a float32 model then stays dense)."""
+    tensors = read_tensors(gguf_path)
+
+    def all_q4(i: int, proj: str) -> bool:
+        ts = [tensors.get(f"blk.{i}.{n}.weight") for n in PROJECTIONS[proj]]
+        return all(t is not None and int(t.tensor_type) == Q4_1 for t in ts)
+
+    def fits(i: int, proj: str) -> bool:  # a projection that stays dense has no say in the kernel
+        ts = [tensors[f"blk.{i}.{n}.weight"] for n in PROJECTIONS[proj]]
+        return ours_fits(sum(int(t.shape[1]) for t in ts), int(ts[0].shape[0]), dtype)  # gguf shapes are [K, N]
+
+    pairs = [(i, proj) for i in range(num_layers) for proj in PROJECTIONS if all_q4(i, proj)]
+    ours = ours_built(dtype) and all(fits(i, proj) for i, proj in pairs)
+    if dtype != torch.bfloat16 and not ours:
+        return False, []  # dense weights throughout
+    return ours, pairs
+
+
+def dense_not_kept(gguf_path: Path, num_layers: int, dtype: torch.dtype) -> frozenset[str]:
+    """The Decoder state names (layers.<i>.<projection>.weight) that quantize_from_gguf will
+    replace without keeping a dense copy, so a loader need not read them (load_decoder's
+    `skip`). Through caldrix's kernels every call takes the 4-bit blocks, prefill chunks too;
+    torch's int4 kernel is slower than the dense matmul for long chunks, so there the dense
+    weights stay beside the blocks."""
+    ours, pairs = plan_4bit(gguf_path, num_layers, dtype)
+    return frozenset(f"layers.{i}.{proj}.weight" for i, proj in pairs) if ours else frozenset()
+
+
 def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
     """Swap the model's projection layers for Int4Linear where the GGUF holds them as Q4_1.
 
     Returns how many layers were swapped; a layer whose tensors are of another type keeps its
-    dense weights. The model must be the Decoder loaded from the same file's conversion."""
+    dense weights. The model must be the Decoder loaded from the same file's conversion (its
+    projections may be load_decoder's placeholders where `dense_not_kept` named them). Through
+    caldrix's kernels the dense weights are dropped (prefill chunks take the 4-bit blocks too);
+    through torch's they stay for calls of more than `max_int4_rows` rows."""
     cfg = model.cfg
     tensors = read_tensors(gguf_path)
+    dtype = model.norm.weight.dtype
+    ours, pairs = plan_4bit(gguf_path, len(model.layers), dtype)
+    model.int4_ours = ours
 
     def q4(name: str, heads: int | None = None):
-        t = tensors.get(name)
-        if t is None or int(t.tensor_type) != Q4_1:
-            return None
+        t = tensors[name]
         cols = int(t.shape[0])  # gguf shapes are [K, N]
         q, d, m = unpack_q4_1(t.data, cols)
         if heads is not None:
@@ -295,42 +339,14 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
             q, d, m = q[idx], d[idx], m[idx]
         return q, d, m
 
-    def fits(*names: str) -> bool:  # from the GGUF's shapes, before anything is unpacked
-        ts = [tensors.get(name) for name in names]
-        if any(t is None or int(t.tensor_type) != Q4_1 for t in ts):
-            return True  # stays dense: no say in the kernel
-        return ours_fits(sum(int(t.shape[1]) for t in ts), int(ts[0].shape[0]), dtype)
-
-    # One kernel for every 4-bit layer: caldrix's own where it is built and takes every shape.
-    # A float32 model has no other (torch's int4 kernel is bfloat16 only).
-    dtype = model.norm.weight.dtype
-    ours = ours_built(dtype) and all(
-        fits(*(f"blk.{i}.{n}.weight" for n in group))
-        for i in range(len(model.layers))
-        for group in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)))
-    model.int4_ours = ours
-    if dtype != torch.bfloat16 and not ours:
-        return 0  # dense weights throughout
-
-    def fused(dense: nn.Linear, *parts):
-        if any(p is None for p in parts):
-            return None
-        return Int4Linear(*(torch.cat(xs) for xs in zip(*parts)), dense=dense.weight, ours=ours, dtype=dtype)
-
+    permute = cfg.arch == "llama"  # llama.cpp permutes q/k only for its llama family
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if permute else {}
     swapped = 0
-    for i, layer in enumerate(model.layers):
-        b = f"blk.{i}."
-        permute = cfg.arch == "llama"  # llama.cpp permutes q/k only for its llama family
-        new = {
-            "wqkv": fused(layer.wqkv, q4(b + "attn_q.weight", cfg.num_heads if permute else None),
-                          q4(b + "attn_k.weight", cfg.num_kv_heads if permute else None),
-                          q4(b + "attn_v.weight")),
-            "wo": fused(layer.wo, q4(b + "attn_output.weight")),
-            "w_gate_up": fused(layer.w_gate_up, q4(b + "ffn_gate.weight"), q4(b + "ffn_up.weight")),
-            "w_down": fused(layer.w_down, q4(b + "ffn_down.weight")),
-        }
-        for name, module in new.items():
-            if module is not None:
-                setattr(layer, name, module)
-                swapped += 1
+    for i, proj in pairs:
+        layer = model.layers[i]
+        dense = getattr(layer, proj)
+        parts = [q4(f"blk.{i}.{n}.weight", heads.get(n)) for n in PROJECTIONS[proj]]
+        keep = None if ours else dense.weight
+        setattr(layer, proj, Int4Linear(*(torch.cat(xs) for xs in zip(*parts)), dense=keep, ours=ours, dtype=dtype))
+        swapped += 1
     return swapped
