@@ -192,6 +192,24 @@ def test_a_projection_the_loader_skipped_refuses_to_run(smollm2_dir):
         load_decoder(smollm2_dir, torch.bfloat16, skip=frozenset({"layers.0.nothing.weight"}))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_q8_0_head_laid_out_in_slices_is_the_head_laid_out_whole(dtype, monkeypatch):
+    """Q8AsInt4Linear lays out caldrix's kernel operands a slice of rows at a time (the whole
+    head's temporaries were loading's peak memory); every buffer must be what one slice gives,
+    a short last slice included."""
+    if not q4.ours_built(dtype):
+        pytest.skip(f"caldrix's kernel for {dtype} is not built on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (5008, 96), generator=gen).to(torch.int8)
+    d = (torch.rand(5008, 3, generator=gen) * 0.01).half().float()
+    monkeypatch.setattr(q4, "HEAD_SLICE", 1 << 30)
+    whole = q4.Q8AsInt4Linear(q, d, ours=True, dtype=dtype)
+    monkeypatch.setattr(q4, "HEAD_SLICE", 1024)
+    sliced = q4.Q8AsInt4Linear(q, d, ours=True, dtype=dtype)
+    for name in ("hi_packed", "hi_scale_zero", "lo_packed", "lo_scale_zero"):
+        assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
+
+
 def test_q8_0_head_reads_back_the_embedding(smollm2_dir, gguf_file):
     """The tied lm_head kept as two 4-bit halves of the GGUF's Q8_0 blocks: multiplying by the
     identity reads each weight back, which must equal the embedding transformers dequantized

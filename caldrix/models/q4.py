@@ -57,13 +57,14 @@ def torch_int4_only(dtype: torch.dtype) -> None:
 
 
 def unpack_q4_1(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """raw: uint8 [N, blocks * 20] -> q int32 [N, K], d and m float32 [N, blocks]."""
+    """raw: uint8 [N, blocks * 20] -> q uint8 [N, K] (0..15; bytes, since int32 q and their
+    temporaries were most of loading's peak), d and m float32 [N, blocks]."""
     n = raw.shape[0]
     blocks = raw.reshape(n, cols // GROUP, BLOCK_BYTES)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     nib = blocks[:, :, 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high one
-    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, cols).astype(np.int32)
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, cols)
     return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
 
 
@@ -204,14 +205,14 @@ class Int4Linear(nn.Module):
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None,
                  ours: bool = False, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        # q [N, K] int32 in 0..15; d, m [N, K / GROUP]
+        # q [N, K] integers in 0..15; d, m [N, K / GROUP]
         self.out_features, self.in_features = q.shape
         self.ours = ours
         if ours:
             packed, scale_zero = layout(q, d, m, dtype)
         else:
             torch_int4_only(dtype)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
             scale_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K / GROUP, N, 2]
             scale_zero = scale_zero.to(torch.bfloat16).contiguous()
         self.register_buffer("packed", packed)
@@ -224,6 +225,10 @@ class Int4Linear(nn.Module):
         if self.dense is not None and x.shape[0] > self.max_int4_rows:
             return torch.nn.functional.linear(x, self.dense)
         return int4_mm(x.contiguous(), self.packed, self.scale_zero, self.ours)
+
+
+# Rows of the Q8_0 head laid out at a time (a multiple of both kernels' column groups).
+HEAD_SLICE = 4096
 
 
 class Q8AsInt4Linear(nn.Module):
@@ -250,8 +255,26 @@ class Q8AsInt4Linear(nn.Module):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32).contiguous(), 1)
             return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
 
-        hi_packed, hi_sz = half((q >> 4) + 8, 16 * d, torch.zeros_like(d))
-        lo_packed, lo_sz = half(q & 15, d, 8 * d)
+        def halves(q, d):
+            return (*half((q >> 4) + 8, 16 * d, torch.zeros_like(d)), *half(q & 15, d, 8 * d))
+
+        if ours:
+            # In slices of rows, each written into its place: the temporaries of the whole head
+            # at once were loading's peak. Both layouts keep a slice's rows together (qw by
+            # row, the scales by column group), so the slices concatenate along dim 0.
+            n = q.shape[0]
+            out: list[torch.Tensor] = []
+            for i in range(0, n, HEAD_SLICE):
+                part = halves(q[i:i + HEAD_SLICE], d[i:i + HEAD_SLICE])
+                rows = min(HEAD_SLICE, n - i)
+                if not out:
+                    out = [torch.empty((x.shape[0] * n // rows, *x.shape[1:]), dtype=x.dtype) for x in part]
+                for whole, x in zip(out, part):
+                    at = i * x.shape[0] // rows  # a slice's rows, or its column groups
+                    whole[at:at + x.shape[0]] = x
+            hi_packed, hi_sz, lo_packed, lo_sz = out
+        else:
+            hi_packed, hi_sz, lo_packed, lo_sz = halves(q, d)
         self.register_buffer("hi_packed", hi_packed)
         self.register_buffer("hi_scale_zero", hi_sz)
         self.register_buffer("lo_packed", lo_packed)
