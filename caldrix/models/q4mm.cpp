@@ -47,6 +47,22 @@ constexpr int64_t BLOCK = 32;
 constexpr int64_t COLS = 16;     // output columns a vector holds, one a lane
 constexpr int64_t ROWS_AT_ONCE = 8;  // rows sharing one unpacking of the weights
 
+// A column group's 32 bytes at k (4 k's) as two vectors of bfloat16 128 + q: k0, k1 and k2, k3
+// pairs of each column (see `groups`).
+inline void widen(const uint8_t* qgk, __m512bh& lo, __m512bh& hi) {
+  const __m512i nib = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qgk)));
+  lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, nib), bias);
+  hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+}
+
+// A block's 16 d's and 16 (m - 128 d)'s, from its float16 d's and m's.
+inline void scales(const uint16_t* dgb, __m512& d, __m512& m128) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb + COLS)));
+  m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  // m - 128 d
+}
+
 // One group of 16 output columns for R rows. qg: the group's nibbles, 32 bytes per 4 k's (byte
 // 2c holds column c's k0 | k2 << 4, byte 2c + 1 its k1 | k3 << 4); dg: per block, 16 d's then
 // 16 (m - 128 d)'s; x: R rows of K; sums: R rows of K / 32 block sums.
@@ -61,7 +77,6 @@ inline void groups(const uint8_t* qg, const uint16_t* dg, const c10::BFloat16* x
   // G column groups at once, each with its own accumulators: the arithmetic of a column is the
   // same for any G and R, but a few rows alone would otherwise wait on one chain of dependent
   // dot products (several cycles each) instead of filling the vector units.
-  const __m512i nib = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
   const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
   __m512 total[G][R];
   for (int g = 0; g < G; ++g)
@@ -73,10 +88,8 @@ inline void groups(const uint8_t* qg, const uint16_t* dg, const c10::BFloat16* x
     for (int64_t k4 = 0; k4 < BLOCK / 4; ++k4) {
       const int64_t k = b * BLOCK + 4 * k4;
       for (int g = 0; g < G; ++g) {
-        const __m512i bytes =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + g * stride + k * 8)));
-        const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, nib), bias);
-        const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+        __m512bh lo, hi;
+        widen(qg + g * stride + k * 8, lo, hi);
         for (int r = 0; r < R; ++r) {
           const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + k);
           part[g][r] = _mm512_dpbf16_ps(part[g][r], lo, (__m512bh)_mm512_set1_epi32(xr[0]));
@@ -85,10 +98,8 @@ inline void groups(const uint8_t* qg, const uint16_t* dg, const c10::BFloat16* x
       }
     }
     for (int g = 0; g < G; ++g) {
-      const uint16_t* dgb = dg + g * dstride + b * 2 * COLS;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb + COLS)));
-      const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  // m - 128 d
+      __m512 d, m128;
+      scales(dg + g * dstride + b * 2 * COLS, d, m128);
       for (int r = 0; r < R; ++r)
         total[g][r] =
             _mm512_fmadd_ps(m128, _mm512_set1_ps(sums[r * blocks + b]), _mm512_fmadd_ps(d, part[g][r], total[g][r]));
@@ -148,7 +159,6 @@ void dispatch(int64_t R, const c10::BFloat16* x, const float* sums, const uint8_
 template <int G, int R>
 inline void groups_many(const uint8_t* qg, const uint16_t* dg, const c10::BFloat16* x, const float* sums,
                         int64_t K, c10::BFloat16* y, int64_t N, int64_t gi) {
-  const __m512i nib = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
   const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
   alignas(64) float total[G][R][COLS] = {};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -158,12 +168,7 @@ inline void groups_many(const uint8_t* qg, const uint16_t* dg, const c10::BFloat
     for (int64_t k4 = 0; k4 < BLOCK / 4; ++k4) {
       const int64_t k = b * BLOCK + 4 * k4;
       __m512bh lo[G], hi[G];
-      for (int g = 0; g < G; ++g) {
-        const __m512i bytes =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + g * stride + k * 8)));
-        lo[g] = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, nib), bias);
-        hi[g] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
-      }
+      for (int g = 0; g < G; ++g) widen(qg + g * stride + k * 8, lo[g], hi[g]);
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + k);
         const __m512bh x0 = (__m512bh)_mm512_set1_epi32(xr[0]), x1 = (__m512bh)_mm512_set1_epi32(xr[1]);
@@ -174,10 +179,8 @@ inline void groups_many(const uint8_t* qg, const uint16_t* dg, const c10::BFloat
       }
     }
     for (int g = 0; g < G; ++g) {
-      const uint16_t* dgb = dg + g * dstride + b * 2 * COLS;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb + COLS)));
-      const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  // m - 128 d
+      __m512 d, m128;
+      scales(dg + g * dstride + b * 2 * COLS, d, m128);
       for (int r = 0; r < R; ++r)
         _mm512_store_ps(total[g][r], _mm512_fmadd_ps(m128, _mm512_set1_ps(sums[r * blocks + b]),
                                                      _mm512_fmadd_ps(d, part[g][r], _mm512_load_ps(total[g][r]))));
