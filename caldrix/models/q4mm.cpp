@@ -18,7 +18,7 @@
 // widened to float32 exactly, and m - 128 d is one float32 rounding (an FMA; 128 d is exact).
 //
 // Layout (made by models/q4.py, q4_mm_layout): qw uint8 [N, K / 2] in groups of 16 columns, each
-// group 32 bytes per 4 k's (see `groups`); dm float16 [N / 16, K / 32, 2, 16], per group and
+// group 32 bytes per 4 k's (see `group`); dm float16 [N / 16, K / 32, 2, 16], per group and
 // block the 16 d's, then the 16 m's. x [T, K] bfloat16 contiguous, any T; K a multiple of 32,
 // N of 16. Returns [T, N] bfloat16.
 //
@@ -48,7 +48,7 @@ constexpr int64_t COLS = 16;     // output columns a vector holds, one a lane
 constexpr int64_t ROWS_AT_ONCE = 8;  // rows sharing one unpacking of the weights
 
 // A column group's 32 bytes at k (4 k's) as two vectors of bfloat16 128 + q: k0, k1 and k2, k3
-// pairs of each column (see `groups`).
+// pairs of each column (see `group`).
 inline void widen(const uint8_t* qgk, __m512bh& lo, __m512bh& hi) {
   const __m512i nib = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
   const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qgk)));
@@ -71,75 +71,48 @@ inline void scales(const uint16_t* dgb, __m512& d, __m512& m128) {
 // bfloat16 values 128 + q exactly, k0 and k1 (or k2 and k3) beside each other for each column,
 // as vdpbf16ps pairs them with a broadcast (x[k0], x[k1]). So a block gives sum (128 + q) x =
 // sum q x + 128 S, and y = sum_b d_b * that + (m_b - 128 d_b) * S_b, block by block in order.
-template <int G, int R>
-inline void groups(const uint8_t* qg, const uint16_t* dg, const c10::BFloat16* x, const float* sums, int64_t K,
-                   __m512 out[G][R]) {
-  // G column groups at once, each with its own accumulators: the arithmetic of a column is the
-  // same for any G and R, but a few rows alone would otherwise wait on one chain of dependent
-  // dot products (several cycles each) instead of filling the vector units.
-  const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
-  __m512 total[G][R];
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) total[g][r] = _mm512_setzero_ps();
+//
+// One group at a time, read front to back: interleaving 2-4 groups for 1-3 rows (more
+// independent dot-product chains) was faster with the weights in cache, but in a decode step
+// they come from memory, and there the single stream measured 16-35 % faster
+// (docs/performance.md, "One column group at a time").
+template <int R>
+inline void group(const uint8_t* qg, const uint16_t* dg, const c10::BFloat16* x, const float* sums, int64_t K,
+                  c10::BFloat16* y, int64_t N, int64_t gi) {
+  const int64_t blocks = K / BLOCK;
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 part[G][R];
-    for (int g = 0; g < G; ++g)
-      for (int r = 0; r < R; ++r) part[g][r] = _mm512_setzero_ps();
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
     for (int64_t k4 = 0; k4 < BLOCK / 4; ++k4) {
       const int64_t k = b * BLOCK + 4 * k4;
-      for (int g = 0; g < G; ++g) {
-        __m512bh lo, hi;
-        widen(qg + g * stride + k * 8, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + k);
-          part[g][r] = _mm512_dpbf16_ps(part[g][r], lo, (__m512bh)_mm512_set1_epi32(xr[0]));
-          part[g][r] = _mm512_dpbf16_ps(part[g][r], hi, (__m512bh)_mm512_set1_epi32(xr[1]));
-        }
+      __m512bh lo, hi;
+      widen(qg + k * 8, lo, hi);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + k);
+        part[r] = _mm512_dpbf16_ps(part[r], lo, (__m512bh)_mm512_set1_epi32(xr[0]));
+        part[r] = _mm512_dpbf16_ps(part[r], hi, (__m512bh)_mm512_set1_epi32(xr[1]));
       }
     }
-    for (int g = 0; g < G; ++g) {
-      __m512 d, m128;
-      scales(dg + g * dstride + b * 2 * COLS, d, m128);
-      for (int r = 0; r < R; ++r)
-        total[g][r] =
-            _mm512_fmadd_ps(m128, _mm512_set1_ps(sums[r * blocks + b]), _mm512_fmadd_ps(d, part[g][r], total[g][r]));
-    }
+    __m512 d, m128;
+    scales(dg + b * 2 * COLS, d, m128);
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm512_fmadd_ps(m128, _mm512_set1_ps(sums[r * blocks + b]), _mm512_fmadd_ps(d, part[r], total[r]));
   }
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) out[g][r] = total[g][r];
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float v[COLS];
+    _mm512_store_ps(v, total[r]);
+    for (int c = 0; c < COLS; ++c) y[r * N + gi * COLS + c] = c10::BFloat16(v[c]);
+  }
 }
-
-template <int G, int R>
-inline void store(__m512 out[G][R], c10::BFloat16* y, int64_t N, int64_t gi) {
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) {
-      alignas(64) float v[COLS];
-      _mm512_store_ps(v, out[g][r]);
-      for (int c = 0; c < COLS; ++c) y[r * N + (gi + g) * COLS + c] = c10::BFloat16(v[c]);
-    }
-}
-
-// Column groups interleaved per pass: enough independent accumulators to hide the dot
-// products' latency, few enough to stay in the 32 vector registers.
-constexpr int interleave(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
 
 template <int R>
 void rows(const c10::BFloat16* x, const float* sums, const uint8_t* qw, const uint16_t* dm, c10::BFloat16* y, int64_t K,
           int64_t N) {
-  constexpr int G = interleave(R);
   const int64_t blocks = K / BLOCK, stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
-  at::parallel_for(0, N / COLS, G, [&](int64_t begin, int64_t end) {
-    int64_t gi = begin;
-    for (; gi + G <= end; gi += G) {
-      __m512 out[G][R];
-      groups<G, R>(qw + gi * stride, dm + gi * dstride, x, sums, K, out);
-      store<G, R>(out, y, N, gi);
-    }
-    for (; gi < end; ++gi) {
-      __m512 out[1][R];
-      groups<1, R>(qw + gi * stride, dm + gi * dstride, x, sums, K, out);
-      store<1, R>(out, y, N, gi);
-    }
+  at::parallel_for(0, N / COLS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) group<R>(qw + gi * stride, dm + gi * dstride, x, sums, K, y, N, gi);
   });
 }
 
@@ -153,7 +126,7 @@ void dispatch(int64_t R, const c10::BFloat16* x, const float* sums, const uint8_
   }
 }
 
-// G column groups for R rows: a pass of `many` below. The same arithmetic as `groups`, with the
+// G column groups for R rows: a pass of `many` below. The same arithmetic as `group`, with the
 // running totals kept in memory rather than registers (they are touched once a block), so that
 // G x R partial sums fit in the registers and each broadcast of x serves G groups.
 template <int G, int R>
