@@ -58,6 +58,8 @@ class Runtime:
         weights = f", {int4} projections kept as 4-bit GGUF blocks" if int4 else ""
         if getattr(self.engine, "int4_head", False):
             weights += ", the lm_head as Q8_0 blocks"
+            if getattr(self.engine, "q8_embed", False):
+                weights += " (the embedding read from them)"
         if getattr(self.engine, "scripted_rows", False):
             weights += "; decode layers scripted"
         if getattr(self.engine, "native_attend", False):

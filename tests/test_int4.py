@@ -210,6 +210,58 @@ def test_the_q8_0_head_laid_out_in_slices_is_the_head_laid_out_whole(dtype, monk
         assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
 
 
+def test_q8_rows_reads_back_the_q8_0_weights():
+    """caldrix::q8_rows gives rows of a Q8_0 matrix from the head's two 4-bit halves: each value
+    bfloat16(float32(d) * q), rounded once, for ids in any order, repeated, first and last; an
+    id out of range is an error that names it."""
+    if not q4.ours_built(torch.bfloat16):
+        pytest.skip("caldrix::q4_mm is not built on this CPU")
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(-128, 128, (5008, 96), generator=gen).to(torch.int8)
+    d = (torch.rand(5008, 3, generator=gen) * 0.01).half().float()
+    emb = q4.Q8Embedding(q4.Q8AsInt4Linear(q, d, ours=True))
+    want = (q.float() * d.repeat_interleave(32, dim=1)).bfloat16()
+    ids = torch.tensor([5007, 0, 17, 17, 4096, 2500, 15, 16])
+    got = emb(ids)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want[ids])
+    assert torch.equal(emb(torch.arange(5008)), want)
+    with pytest.raises(RuntimeError, match="id 5008 is out of range for 5008 rows"):
+        emb(torch.tensor([3, 5008]))
+    assert not any(name.startswith("_head") for name, _ in emb.named_buffers())  # it owns no tensor
+
+
+def test_the_tied_embedding_is_read_from_the_head_with_the_dense_bits(smollm2_dir, gguf_file, monkeypatch):
+    """Where the head runs on caldrix::q4_mm, the engine drops SmolLM2's dense embedding (56 MB
+    of bfloat16) and reads the rows from the head's Q8_0 blocks: the same bits, so prefill and
+    decode logits equal those of an engine that keeps the table. A table that differs from the
+    blocks in one value is kept."""
+    from caldrix.batch import Batch, Run
+    from caldrix.models import native
+
+    if not native.has_q4_mm():
+        pytest.skip("caldrix::q4_mm is not built on this CPU")
+
+    def logits(engine):  # a prompt's rows through a prefill chunk, then three decode-form passes
+        prompt = tuple(range(300, 340))
+        engine.step(Batch((Run(0, 0, prompt[:-1], ()),)))
+        rows = [engine._decode_logits([Run(0, len(prompt) - 1 + i, (t,), (0,))])[0] for i, t in
+                enumerate((prompt[-1], 5, 48000))]
+        return torch.cat(rows)
+
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=128, int4_from=gguf_file)
+    assert engine.q8_embed and isinstance(engine.model.embed, q4.Q8Embedding) and engine.scripted_pass
+    assert not any("embed" in name for name, _ in engine.model.named_parameters())
+    got = logits(engine)
+    with monkeypatch.context() as m:
+        m.setattr(q4, "embed_from_head", lambda model: False)
+        dense = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=128, int4_from=gguf_file)
+    assert not dense.q8_embed and isinstance(dense.model.embed, torch.nn.Embedding)
+    assert torch.equal(got, logits(dense))
+    with torch.no_grad():
+        dense.model.embed.weight[40000, 7] += 1
+    assert not q4.embed_from_head(dense.model) and isinstance(dense.model.embed, torch.nn.Embedding)
+
+
 def test_q8_0_head_reads_back_the_embedding(smollm2_dir, gguf_file):
     """The tied lm_head kept as two 4-bit halves of the GGUF's Q8_0 blocks: multiplying by the
     identity reads each weight back, which must equal the embedding transformers dequantized

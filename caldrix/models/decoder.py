@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from caldrix.models.q4 import Q8Embedding
+
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
 
@@ -254,7 +256,8 @@ class Decoder(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # token ids -> rows: dense, or read from the Q8_0 head's blocks (q4.embed_from_head)
+        self.embed: nn.Embedding | Q8Embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -270,7 +273,7 @@ class Decoder(nn.Module):
         self.cos = self.sin = None  # set by setup_rope
 
     def setup_rope(self, rows: int) -> None:
-        self.cos, self.sin = rope_tables(self.cfg, rows, self.embed.weight.device)
+        self.cos, self.sin = rope_tables(self.cfg, rows, self.norm.weight.device)
 
     def forward(self, token_ids: torch.Tensor, at: Attend, kv: KVCache) -> torch.Tensor:
         """token_ids [T] -> final hidden states [T, D] (before the last norm)."""
@@ -295,7 +298,8 @@ class Decoder(nn.Module):
         if self.logits_fn is None or at.kind != "decode" or token_ids.shape[0] > self.layers[0].wqkv.max_int4_rows:
             return None
         cfg = self.cfg
-        return self.logits_fn(token_ids, self.embed.weight, self.cos, self.sin, at.positions, self.stack_weights,
+        embed = self.embed.operands if isinstance(self.embed, Q8Embedding) else [self.embed.weight]
+        return self.logits_fn(token_ids, embed, self.cos, self.sin, at.positions, self.stack_weights,
                               cfg.rms_norm_eps, kv.k, kv.v, list(at.slots), list(at.lengths), at.slot_index,
                               at.write_rows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                               1.0 / math.sqrt(cfg.head_dim), at.native, self.layers[0].wqkv.ours,

@@ -1,4 +1,5 @@
-"""The decode kernels (attend.cpp), compiled on first use and cached.
+"""The decode kernels (attend.cpp; q4mm.cpp's q4_mm and q8_rows; q4mm_f32.cpp), compiled on first use
+and cached.
 
 `load()` makes `torch.ops.caldrix.decode_attend`, `decode_rope_attend` and `decode_norm` exist
 in this process and says whether they are the compiled kernels. Where they cannot be compiled
@@ -113,6 +114,7 @@ def _define_torch_fallback() -> None:
     _define_torch_fallback.lib = lib  # keep the registration alive
     _define_q4_mm_stub("q4_mm")
     _define_q4_mm_stub("q4_mm_f32")
+    _define_q8_rows_stub()
 
 
 _stubs = []  # keeps the stub registrations alive
@@ -127,6 +129,20 @@ def _define_q4_mm_stub(name: str) -> None:
     lib.define(f"{name}(Tensor x, Tensor qw, Tensor dm) -> Tensor")
     lib.impl(name, _no_q4_mm, "CPU")
     _stubs.append(lib)
+
+
+def _define_q8_rows_stub() -> None:
+    """caldrix::q8_rows (q4mm.cpp, built with q4_mm): read only from the q4_mm layout, so where
+    q4_mm is not built nothing calls it; the name must still exist for scripted.decode_logits."""
+    lib = torch.library.Library("caldrix", "FRAGMENT")
+    lib.define("q8_rows(Tensor ids, Tensor hi_qw, Tensor lo_qw, Tensor lo_dm) -> Tensor")
+    lib.impl("q8_rows", _no_q8_rows, "CPU")
+    _stubs.append(lib)
+
+
+def _no_q8_rows(ids: torch.Tensor, hi_qw: torch.Tensor, lo_qw: torch.Tensor, lo_dm: torch.Tensor) -> torch.Tensor:
+    raise NotImplementedError("caldrix::q8_rows reads q4_mm's layout, which was not compiled for this CPU "
+                              "(AVX512-BF16)")
 
 
 def _has_op(name: str) -> bool:
@@ -205,6 +221,8 @@ def load() -> bool:
                     for name, built in (("q4_mm", _q4_mm), ("q4_mm_f32", _q4_mm_f32)):
                         if not built:
                             _define_q4_mm_stub(name)
+                    if not _q4_mm:
+                        _define_q8_rows_stub()
                 except Exception as exc:  # noqa: BLE001 -- the torch definition below always works
                     _why_torch = f"the kernels did not build or load: {_first_line(exc)}"
                     log.warning("decode attention: torch; the kernel did not build or load (%s)", exc)

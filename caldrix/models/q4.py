@@ -302,6 +302,48 @@ def head_from_gguf(model: nn.Module, gguf_path: Path) -> bool:
     return True
 
 
+class Q8Embedding(nn.Module):
+    """A tied embedding served from the Q8_0 head's blocks (caldrix::q8_rows, q4mm.cpp): token
+    ids [T] -> bfloat16 rows [T, D], the same bits as the dense table it replaces
+    (`embed_from_head` checks every row), with no dense copy held. It reads the head's tensors;
+    it owns none, so the state dict has them once."""
+
+    def __init__(self, head: Q8AsInt4Linear):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self._head = (head,)  # a tuple, so nn.Module does not register the head a second time
+
+    @property
+    def operands(self) -> list[torch.Tensor]:
+        """q8_rows' operands after the ids: hi nibbles, lo nibbles, lo scales."""
+        head = self._head[0]
+        return [head.hi_packed, head.lo_packed, head.lo_scale_zero]
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.caldrix.q8_rows(token_ids, *self.operands)
+
+
+def embed_from_head(model: nn.Module) -> bool:
+    """Serve a tied embedding from the Q8_0 head's blocks and drop the dense table, where the
+    head runs on caldrix::q4_mm and every row read back equals the dense table's bits (they do
+    for a GGUF dequantized to float32 and cast to bfloat16). Whether it did."""
+    head = model.head
+    if not (model.cfg.tie_embeddings and isinstance(head, Q8AsInt4Linear) and head.ours
+            and model.embed.weight.dtype == torch.bfloat16 and native.has_q4_mm()):
+        return False
+    q8 = Q8Embedding(head)
+    dense = model.embed.weight
+    if tuple(dense.shape) != (q8.num_embeddings, q8.embedding_dim):
+        return False
+    with torch.inference_mode():
+        for i in range(0, q8.num_embeddings, HEAD_SLICE):
+            ids = torch.arange(i, min(i + HEAD_SLICE, q8.num_embeddings))
+            if not torch.equal(q8(ids), dense[i:i + HEAD_SLICE]):
+                return False
+    model.embed = q8
+    return True
+
+
 # A decoder layer's fused projections and the GGUF tensors each is made of, in order.
 PROJECTIONS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
                "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}

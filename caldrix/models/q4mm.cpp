@@ -239,10 +239,58 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm
   return y;
 }
 
+// caldrix::q8_rows: rows of a GGUF's Q8_0 matrix (w = d * q, q int8, 32 weights a block) read
+// back from the two 4-bit halves q4.Q8AsInt4Linear keeps for q4_mm: hi nibbles (q >> 4) + 8, lo
+// nibbles q & 15, the lo half's d the block's own. It serves a tied embedding from the head's
+// blocks, so the model holds no dense copy of it (SmolLM2: 56 MB of bfloat16).
+//
+// Each value is bfloat16(float(d) * q), round to nearest even: the bits of the GGUF's float32
+// dequantization cast to bfloat16, which q4.embed_from_head checks for every row before the
+// dense table is dropped. ids [T] int64 in 0..N-1; hi_qw, lo_qw uint8 [N, K / 2] and lo_dm
+// float16 in q4_mm's layout (q4_mm_layout). Returns [T, K] bfloat16.
+at::Tensor q8_rows(const at::Tensor& ids, const at::Tensor& hi_qw, const at::Tensor& lo_qw, const at::Tensor& lo_dm) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(), "q8_rows: ids is int64 [T]");
+  TORCH_CHECK(hi_qw.scalar_type() == at::kByte && hi_qw.is_contiguous() && hi_qw.dim() == 2 &&
+                  hi_qw.sizes() == lo_qw.sizes() && lo_qw.scalar_type() == at::kByte && lo_qw.is_contiguous() &&
+                  hi_qw.size(0) % COLS == 0,
+              "q8_rows: hi_qw and lo_qw are contiguous uint8 [N, K / 2] of one shape, in q4_mm's layout");
+  const int64_t T = ids.size(0), N = hi_qw.size(0), K = 2 * hi_qw.size(1), blocks = K / BLOCK;
+  TORCH_CHECK(K % BLOCK == 0 && lo_dm.scalar_type() == at::kHalf && lo_dm.is_contiguous() &&
+                  lo_dm.numel() == 2 * N * blocks,
+              "q8_rows: lo_dm holds the lo half's d and m, contiguous float16, in q4_mm's layout");
+  const auto idc = ids.contiguous();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  const uint8_t *hp = hi_qw.data_ptr<uint8_t>(), *lp = lo_qw.data_ptr<uint8_t>();
+  const auto* dmp = lo_dm.data_ptr<at::Half>();
+  const int64_t stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
+  auto y = at::empty({T, K}, hi_qw.options().dtype(at::kBFloat16));
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = idp[t];
+    TORCH_CHECK(n >= 0 && n < N, "q8_rows: id ", n, " is out of range for ", N, " rows");
+    const int64_t g = n / COLS, c = n % COLS;
+    for (int64_t k4 = 0; k4 < K / 4; ++k4) {
+      // byte 2c: k0 | k2 << 4, byte 2c + 1: k1 | k3 << 4 (see `group`)
+      const int64_t byte = g * stride + k4 * 2 * COLS + 2 * c;
+      const int hi[4] = {hp[byte] & 15, hp[byte + 1] & 15, hp[byte] >> 4, hp[byte + 1] >> 4};
+      const int lo[4] = {lp[byte] & 15, lp[byte + 1] & 15, lp[byte] >> 4, lp[byte + 1] >> 4};
+      const float d = static_cast<float>(dmp[g * dstride + (4 * k4 / BLOCK) * 2 * COLS + c]);
+      for (int j = 0; j < 4; ++j) yp[t * K + 4 * k4 + j] = c10::BFloat16(d * float(16 * (hi[j] - 8) + lo[j]));
+    }
+  }
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(caldrix, m) { m.def("q4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(caldrix, m) {
+  m.def("q4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor");
+  m.def("q8_rows(Tensor ids, Tensor hi_qw, Tensor lo_qw, Tensor lo_dm) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(caldrix, CPU, m) { m.impl("q4_mm", q4_mm); }
+TORCH_LIBRARY_IMPL(caldrix, CPU, m) {
+  m.impl("q4_mm", q4_mm);
+  m.impl("q8_rows", q8_rows);
+}
 
 #endif

@@ -93,17 +93,21 @@ def decode_stack(x: Tensor, weights: List[Tensor], eps: float, Ks: Tensor, Vs: T
     return x
 
 
-def decode_logits(ids: Tensor, embed_w: Tensor, rope_cos: Tensor, rope_sin: Tensor, positions: Tensor,
+def decode_logits(ids: Tensor, embed: List[Tensor], rope_cos: Tensor, rope_sin: Tensor, positions: Tensor,
                   weights: List[Tensor], eps: float, Ks: Tensor, Vs: Tensor, slots: List[int], lengths: List[int],
                   slot_index: Tensor, write_rows: Tensor, h: int, g: int, e: int, scale: float, native: bool,
                   ours: bool, norm_w: Tensor, head: List[Tensor]) -> Tuple[Tensor, Tensor]:
     """A whole decode-form pass, ids [T] -> (float32 logits [T, V], their arg-max [T]): the
-    embedding and RoPE tables of Decoder.forward, `decode_stack`, the final norm of
-    Decoder.logits and the Q8_0 head's two halves (q4.Q8AsInt4Linear, `head` = hi packed, hi
-    scales, lo packed, lo scales), the same calls in the same order. One call from Python a
+    embedding (`embed`: the dense table, or q4.Q8Embedding's operands) and RoPE tables of
+    Decoder.forward, `decode_stack`, the final norm of Decoder.logits and the Q8_0 head's two
+    halves (q4.Q8AsInt4Linear, `head` = hi packed, hi scales, lo packed, lo scales), the same
+    calls in the same order. One call from Python a
     step: the step thread then wins the GIL back from the event loop once, not once per call
     (docs/performance.md, "the event loop's share and the GIL")."""
-    x = F.embedding(ids, embed_w)
+    if len(embed) == 1:  # the dense table
+        x = F.embedding(ids, embed[0])
+    else:  # q4.Q8Embedding: the rows read from the head's blocks, the same bits
+        x = torch.ops.caldrix.q8_rows(ids, embed[0], embed[1], embed[2])
     cos = rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, E]
     sin = rope_sin[positions].to(x.dtype).unsqueeze(1)
     x = decode_stack(x, weights, eps, Ks, Vs, slots, lengths, slot_index, write_rows, cos, sin, h, g, e, scale,
