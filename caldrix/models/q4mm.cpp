@@ -74,8 +74,8 @@ inline void scales(const uint16_t* dgb, __m512& d, __m512& m128) {
 //
 // One group at a time, read front to back: interleaving 2-4 groups for 1-3 rows (more
 // independent dot-product chains) was faster with the weights in cache, but in a decode step
-// they come from memory, and there the single stream measured 16-35 % faster
-// (docs/performance.md, "One column group at a time").
+// they come from memory, and there one group at a time measured 16-35 % faster
+// (docs/performance.md, "q4_mm reads one column group at a time").
 template <int R>
 inline void group(const uint8_t* qg, const uint16_t* dg, const c10::BFloat16* x, const float* sums, int64_t K,
                   c10::BFloat16* y, int64_t N, int64_t gi) {

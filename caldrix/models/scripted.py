@@ -101,9 +101,9 @@ def decode_logits(ids: Tensor, embed: List[Tensor], rope_cos: Tensor, rope_sin: 
     embedding (`embed`: the dense table, or q4.Q8Embedding's operands) and RoPE tables of
     Decoder.forward, `decode_stack`, the final norm of Decoder.logits and the Q8_0 head's two
     halves (q4.Q8AsInt4Linear, `head` = hi packed, hi scales, lo packed, lo scales), the same
-    calls in the same order. One call from Python a
-    step: the step thread then wins the GIL back from the event loop once, not once per call
-    (docs/performance.md, "the event loop's share and the GIL")."""
+    calls in the same order. One call from Python a step: the step thread then wins the GIL
+    back from the event loop once, not once per call (docs/performance.md, "the event loop's
+    share and the GIL")."""
     if len(embed) == 1:  # the dense table
         x = F.embedding(ids, embed[0])
     else:  # q4.Q8Embedding: the rows read from the head's blocks, the same bits
