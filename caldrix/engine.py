@@ -21,10 +21,11 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models import native
-from caldrix.models.decoder import Attend, Decoder, DecoderConfig, KVCache, Pending, load_decoder
+from caldrix.models.decoder import Attend, Decoder, DecoderConfig, KVCache, Pending, load_decoder, read_embedding
 from caldrix.sampler import greedy_batch, pick
 
 log = logging.getLogger("caldrix")
@@ -97,14 +98,12 @@ class Engine:
             if not q4.runs_4bit(dtype, device):
                 raise ValueError("4-bit weights need the cpu lane and --dtype bfloat16, or float32 on a CPU with "
                                  "AVX2, FMA and F16C")
-            skip = q4.dense_not_kept(int4_from, DecoderConfig.from_dir(path).num_layers, dtype)
+            cfg = DecoderConfig.from_dir(path)
+            skip = q4.dense_not_kept(int4_from, cfg.num_layers, dtype, tied=cfg.tie_embeddings)
         model = load_decoder(path, dtype, device, skip=skip)
         engine_int4 = 0
         if int4_from is not None:
             engine_int4 = q4.quantize_from_gguf(model, int4_from)
-            pending = [name for name, module in model.named_modules() if isinstance(module, Pending)]
-            if pending:
-                raise RuntimeError(f"the 4-bit load left {pending[0]} without weights")
         ctx = min(model.cfg.max_positions, 8192) if context is None else context
         engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=not engine_int4)
         engine.int4_layers = engine_int4
@@ -121,10 +120,17 @@ class Engine:
             # batch mates, so it is chosen once: by the kernel, else by --max-batch.
             use_q8 = engine.int4_ours or max_batch == 1
             engine.int4_head = use_q8 and q4.head_from_gguf(model, int4_from)
-            # A tied embedding read from the head's blocks: 56 MB less for SmolLM2, same bits.
-            engine.q8_embed = engine.int4_head and q4.embed_from_head(model)
+            # A tied embedding read from the head's blocks: 56 MB less for SmolLM2, same bits,
+            # checked against the table read back a slice at a time.
+            engine.q8_embed = engine.int4_head and q4.embed_from_head(
+                model, lambda start, stop: read_embedding(path, dtype, (start, stop)))
             engine.scripted_rows = q4.script_decode_rows(model)
             engine.scripted_pass = engine.scripted_rows and engine.int4_head and q4.script_decode_logits(model)
+        if isinstance(model.embed, Pending):  # skipped for the head's blocks, which did not serve it
+            model.embed = nn.Embedding.from_pretrained(read_embedding(path, dtype).to(device), freeze=True)
+        pending = [name for name, module in model.named_modules() if isinstance(module, Pending)]
+        if pending:
+            raise RuntimeError(f"the 4-bit load left {pending[0]} without weights")
         engine.check_lanes()
         return engine
 

@@ -163,15 +163,20 @@ def test_only_torchs_int4_kernel_keeps_dense_projections(smollm2_dir, gguf_file,
         pytest.skip("caldrix::q4_mm is not built on this CPU")
     if not ours:
         monkeypatch.setattr(native, "has_q4_mm", lambda: False)
-    read = []
+    read = []  # (name, rows or None for the whole tensor)
     get = TensorFiles.get
-    monkeypatch.setattr(TensorFiles, "get", lambda self, name: read.append(name) or get(self, name))
+    monkeypatch.setattr(TensorFiles, "get", lambda self, name, rows=None: read.append((name, rows)) or get(self, name, rows))
     engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=2, context=256, int4_from=gguf_file)
     projections = [m for b in engine.model.layers for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)]
     assert engine.int4_ours is ours and all(isinstance(m, q4.Int4Linear) for m in projections)
     assert all((m.dense is None) is ours for m in projections)
-    assert any("_proj." in name for name in read) is not ours
-    assert any("norm" in name for name in read) and any("embed_tokens" in name for name in read)
+    assert any("_proj." in name for name, _ in read) is not ours
+    assert any("norm" in name for name, _ in read)
+    # The embedding: read whole where it is kept; through q4_mm only a slice at a time, to check
+    # the rows read from the head's blocks (test_the_tied_embedding_is_read_from_the_head...).
+    embed_reads = [rows for name, rows in read if "embed_tokens" in name]
+    assert embed_reads and all((rows is not None) is ours for rows in embed_reads)
+    assert engine.q8_embed is ours
     # A 160-token prompt in two chunks, then decode: the engine answers either way.
     ids = tuple(range(1000, 1160))
     (reply,) = generate(engine, [ids], 4, together=True)
@@ -181,9 +186,12 @@ def test_only_torchs_int4_kernel_keeps_dense_projections(smollm2_dir, gguf_file,
 def test_a_projection_the_loader_skipped_refuses_to_run(smollm2_dir):
     from caldrix.models.decoder import Pending
 
-    skip = frozenset({"layers.0.wo.weight", "layers.3.w_down.weight"})
+    skip = frozenset({"layers.0.wo.weight", "layers.3.w_down.weight", "embed.weight"})
     model = load_decoder(smollm2_dir, torch.bfloat16, skip=skip)
     assert isinstance(model.layers[0].wo, Pending) and isinstance(model.layers[3].w_down, Pending)
+    assert isinstance(model.embed, Pending)
+    with pytest.raises(RuntimeError, match="never loaded"):
+        model.embed(torch.tensor([1, 2]))
     assert model.layers[0].wo.in_features == model.cfg.num_heads * model.cfg.head_dim
     assert isinstance(model.layers[1].wo, torch.nn.Linear)
     with pytest.raises(RuntimeError, match="never loaded"):
@@ -231,10 +239,10 @@ def test_q8_rows_reads_back_the_q8_0_weights():
 
 
 def test_the_tied_embedding_is_read_from_the_head_with_the_dense_bits(smollm2_dir, gguf_file, monkeypatch):
-    """Where the head runs on caldrix::q4_mm, the engine drops SmolLM2's dense embedding (56 MB
-    of bfloat16) and reads the rows from the head's Q8_0 blocks: the same bits, so prefill and
-    decode logits equal those of an engine that keeps the table. A table that differs from the
-    blocks in one value is kept."""
+    """Where the head runs on caldrix::q4_mm, the engine never holds SmolLM2's dense embedding
+    (56 MB of bfloat16) and reads the rows from the head's Q8_0 blocks: the same bits, so prefill
+    and decode logits equal those of an engine that keeps the table. Against a table that
+    differs from the blocks in one value, the table is kept."""
     from caldrix.batch import Batch, Run
     from caldrix.models import native
 
@@ -253,13 +261,17 @@ def test_the_tied_embedding_is_read_from_the_head_with_the_dense_bits(smollm2_di
     assert not any("embed" in name for name, _ in engine.model.named_parameters())
     got = logits(engine)
     with monkeypatch.context() as m:
-        m.setattr(q4, "embed_from_head", lambda model: False)
+        m.setattr(q4, "embed_from_head", lambda model, rows: False)  # the table read whole after all
         dense = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=128, int4_from=gguf_file)
     assert not dense.q8_embed and isinstance(dense.model.embed, torch.nn.Embedding)
     assert torch.equal(got, logits(dense))
-    with torch.no_grad():
-        dense.model.embed.weight[40000, 7] += 1
-    assert not q4.embed_from_head(dense.model) and isinstance(dense.model.embed, torch.nn.Embedding)
+    table = dense.model.embed.weight.detach().clone()
+    assert q4.embed_from_head(dense.model, lambda start, stop: table[start:stop])
+    assert isinstance(dense.model.embed, q4.Q8Embedding) and torch.equal(got, logits(dense))
+    dense.model.embed = torch.nn.Embedding.from_pretrained(table)
+    table[40000, 7] += 1  # one value that is not the blocks' own
+    assert not q4.embed_from_head(dense.model, lambda start, stop: table[start:stop])
+    assert isinstance(dense.model.embed, torch.nn.Embedding)
 
 
 def test_q8_0_head_reads_back_the_embedding(smollm2_dir, gguf_file):

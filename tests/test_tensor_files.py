@@ -38,3 +38,18 @@ def test_tensor_files_names_a_truncated_file(tmp_path):
     path.write_bytes(path.read_bytes()[:-16])
     with TensorFiles([path]) as tf, pytest.raises(ValueError, match="w: the file ends inside its data"):
         tf.get("w")
+
+
+def test_tensor_files_reads_a_range_of_rows(tmp_path):
+    """`get(name, rows=(start, stop))` reads just those rows' bytes: the same values as the
+    whole tensor sliced, an empty range and the last row included; a range outside is an error."""
+    w = torch.randn(10, 3, 4, generator=torch.Generator().manual_seed(1)).bfloat16()
+    save_file({"w": w, "s": torch.tensor(2.0)}, tmp_path / "m.safetensors")
+    with TensorFiles([tmp_path / "m.safetensors"]) as tf:
+        for start, stop in ((0, 10), (3, 7), (9, 10), (4, 4)):
+            got = tf.get("w", rows=(start, stop))
+            assert got.shape == (stop - start, 3, 4) and torch.equal(got, w[start:stop])
+        with pytest.raises(ValueError, match=r"w: rows 8..11 are outside its shape \[10, 3, 4\]"):
+            tf.get("w", rows=(8, 11))
+        with pytest.raises(ValueError, match="s: rows 0..1 are outside its shape"):
+            tf.get("s", rows=(0, 1))

@@ -256,8 +256,11 @@ class Decoder(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
-        # token ids -> rows: dense, or read from the Q8_0 head's blocks (q4.embed_from_head)
-        self.embed: nn.Embedding | Q8Embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # token ids -> rows: dense, or read from the Q8_0 head's blocks (q4.embed_from_head).
+        # Given its weight, nn.Embedding skips its random init: under load_decoder's meta device
+        # that init (normal_) imports some 800 modules of torch's meta kernels, 67 MB for good.
+        self.embed: nn.Embedding | Q8Embedding = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -322,25 +325,19 @@ def load_decoder(path: Path, dtype: torch.dtype, device="cpu", skip: frozenset[s
     holds about 800 (docs/performance.md). Casting pieces before concatenating them gives the
     same values.
 
-    `skip`: projection weights (layers.<i>.<wqkv|wo|w_gate_up|w_down>.weight) not to read at
-    all; their modules are Pending placeholders, for the caller to replace before any forward
-    (the 4-bit load, q4.dense_not_kept: reading them only to drop them made loading's peak
-    memory)."""
-    from caldrix.models.tensor_files import TensorFiles
-
+    `skip`: weights not to read at all, projections (layers.<i>.<wqkv|wo|w_gate_up|w_down>.weight)
+    or the embedding (embed.weight); their modules are Pending placeholders, for the caller to
+    replace before any forward (the 4-bit load, q4.dense_not_kept: reading them only to drop
+    them made loading's peak memory)."""
     cfg = DecoderConfig.from_dir(path)
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    with TensorFiles(files) as hf:
+    with _tensor_files(path) as hf:
 
         def take(name: str) -> torch.Tensor:
-            for prefix in ("model.", ""):
-                if prefix + name in hf:
-                    return hf.get(prefix + name).to(dtype)
-            raise KeyError(f"weight {name} missing from {path}")
+            return hf.get(_stored_name(hf, name, path)).to(dtype)
 
-        ours: dict[str, torch.Tensor] = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+        ours: dict[str, torch.Tensor] = {"norm.weight": take("norm.weight")}
+        if "embed.weight" not in skip:
+            ours["embed.weight"] = take("embed_tokens.weight")
         if not cfg.tie_embeddings:
             ours["lm_head.weight"] = take("lm_head.weight")
         for i in range(cfg.num_layers):
@@ -362,19 +359,47 @@ def load_decoder(path: Path, dtype: torch.dtype, device="cpu", skip: frozenset[s
         raise RuntimeError(f"loading {path}: unexpected weights {sorted(unexpected)[:3]}, "
                            f"missing {sorted(set(missing) ^ set(skip))[:3]}")
     for name in skip:
+        if name == "embed.weight":
+            model.embed = Pending(cfg.vocab_size, cfg.hidden_size)
+            continue
         owner, proj, _ = name.rsplit(".", 2)
         linear = getattr(model.get_submodule(owner), proj)
         setattr(model.get_submodule(owner), proj, Pending(linear.out_features, linear.in_features))
     return model.to(device).eval().requires_grad_(False)
 
 
+def _tensor_files(path: Path):
+    from caldrix.models.tensor_files import TensorFiles
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return TensorFiles(files)
+
+
+def _stored_name(hf, name: str, path: Path) -> str:
+    for prefix in ("model.", ""):
+        if prefix + name in hf:
+            return prefix + name
+    raise KeyError(f"weight {name} missing from {path}")
+
+
+def read_embedding(path: Path, dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The token embedding of a Hugging Face directory cast to `dtype`, whole or only rows
+    start..stop-1: for a loader that skipped it (load_decoder's `skip`) and reads it back in
+    slices to check another source of the same rows, or whole where that source is not taken."""
+    with _tensor_files(path) as hf:
+        return hf.get(_stored_name(hf, "embed_tokens.weight", path), rows).to(dtype)
+
+
 class Pending(nn.Module):
-    """A projection whose weights load_decoder did not read: the 4-bit load replaces it
-    (q4.quantize_from_gguf). Running one means that never happened."""
+    """A projection or the embedding whose weights load_decoder did not read: the 4-bit load
+    replaces it (q4.quantize_from_gguf; Engine.load for the embedding). Running one means that
+    never happened."""
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("a projection whose weights were never loaded ran")
+        raise RuntimeError("a module whose weights were never loaded ran")

@@ -16,6 +16,7 @@ interleaved RoPE); rows move whole, blocks and all, so undoing it is a row gathe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -323,22 +324,23 @@ class Q8Embedding(nn.Module):
         return torch.ops.caldrix.q8_rows(token_ids, *self.operands)
 
 
-def embed_from_head(model: nn.Module) -> bool:
-    """Serve a tied embedding from the Q8_0 head's blocks and drop the dense table, where the
-    head runs on caldrix::q4_mm and every row read back equals the dense table's bits (they do
-    for a GGUF dequantized to float32 and cast to bfloat16). Whether it did."""
-    head = model.head
-    if not (model.cfg.tie_embeddings and isinstance(head, Q8AsInt4Linear) and head.ours
-            and model.embed.weight.dtype == torch.bfloat16 and native.has_q4_mm()):
+def embed_from_head(model: nn.Module, dense_rows: Callable[[int, int], torch.Tensor]) -> bool:
+    """Serve a tied embedding from the Q8_0 head's blocks (model.embed becomes a Q8Embedding),
+    where the head runs on caldrix::q4_mm and every row read back equals the dense table's bits
+    (they do for a GGUF dequantized to float32 and cast to bfloat16). `dense_rows(start, stop)`
+    gives the dense table's rows, read a slice at a time, so the whole table is never held.
+    Whether it did; where not, model.embed is left as it was."""
+    head, cfg = model.head, model.cfg
+    if not (cfg.tie_embeddings and isinstance(head, Q8AsInt4Linear) and head.ours
+            and model.norm.weight.dtype == torch.bfloat16 and native.has_q4_mm()):
         return False
     q8 = Q8Embedding(head)
-    dense = model.embed.weight
-    if tuple(dense.shape) != (q8.num_embeddings, q8.embedding_dim):
+    if (q8.num_embeddings, q8.embedding_dim) != (cfg.vocab_size, cfg.hidden_size):
         return False
     with torch.inference_mode():
         for i in range(0, q8.num_embeddings, HEAD_SLICE):
-            ids = torch.arange(i, min(i + HEAD_SLICE, q8.num_embeddings))
-            if not torch.equal(q8(ids), dense[i:i + HEAD_SLICE]):
+            stop = min(i + HEAD_SLICE, q8.num_embeddings)
+            if not torch.equal(q8(torch.arange(i, stop)), dense_rows(i, stop)):
                 return False
     model.embed = q8
     return True
@@ -371,14 +373,23 @@ def plan_4bit(gguf_path: Path, num_layers: int, dtype: torch.dtype) -> tuple[boo
     return ours, pairs
 
 
-def dense_not_kept(gguf_path: Path, num_layers: int, dtype: torch.dtype) -> frozenset[str]:
+def dense_not_kept(gguf_path: Path, num_layers: int, dtype: torch.dtype, tied: bool = False) -> frozenset[str]:
     """The Decoder state names (layers.<i>.<projection>.weight) that quantize_from_gguf will
     replace without keeping a dense copy, so a loader need not read them (load_decoder's
     `skip`). Through caldrix's kernels every call takes the 4-bit blocks, prefill chunks too;
     torch's int4 kernel is slower than the dense matmul for long chunks, so there the dense
-    weights stay beside the blocks."""
+    weights stay beside the blocks. And embed.weight, where a `tied` embedding is the GGUF's
+    Q8_0 blocks and q4_mm will run the head: embed_from_head then serves it (checked against
+    the table read back in slices), else the caller reads the table after all."""
     ours, pairs = plan_4bit(gguf_path, num_layers, dtype)
-    return frozenset(f"layers.{i}.{proj}.weight" for i, proj in pairs) if ours else frozenset()
+    if not ours:
+        return frozenset()
+    names = {f"layers.{i}.{proj}.weight" for i, proj in pairs}
+    embd = read_tensors(gguf_path).get("token_embd.weight")
+    if (tied and dtype == torch.bfloat16 and embd is not None and int(embd.tensor_type) == Q8_0
+            and ours_fits(int(embd.shape[1]), int(embd.shape[0]), dtype)):
+        names.add("embed.weight")
+    return frozenset(names)
 
 
 def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:

@@ -51,18 +51,25 @@ class TensorFiles:
     def keys(self) -> list[str]:
         return list(self._where)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `name`, or only its rows start..stop-1 (`rows`), read from the file."""
         i, base, entry = self._where[name]
         dtype = DTYPES.get(entry["dtype"])
         if dtype is None:
             raise ValueError(f"{name}: safetensors dtype {entry['dtype']} is not supported")
         begin, end = entry["data_offsets"]
+        shape = list(entry["shape"])
+        if rows is not None:  # rows are contiguous in the file: read just their bytes
+            start, stop = rows
+            if not shape or not 0 <= start <= stop <= shape[0]:
+                raise ValueError(f"{name}: rows {start}..{stop} are outside its shape {shape}")
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            begin, end, shape[0] = begin + start * row_bytes, begin + stop * row_bytes, stop - start
         fh = self._files[i]
         fh.seek(base + begin)
         data = bytearray(end - begin)
         if fh.readinto(data) != len(data):
             raise ValueError(f"{name}: the file ends inside its data")
-        shape = entry["shape"]
         if not data:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
