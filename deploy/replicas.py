@@ -1,0 +1,294 @@
+"""N caldrix replicas on loopback ports with nginx in front of them, on one host.
+
+    python deploy/replicas.py 3                          # the embedded model, balancer on :8425
+    python deploy/replicas.py 3 --port 8425 -- MODEL --max-batch 4 --context 4096
+    python deploy/replicas.py 3 --print-config           # the nginx config, nothing started
+
+Replica i listens on 127.0.0.1:(port + 1 + i); nginx listens on 127.0.0.1:port and spreads
+requests over them (deploy/nginx.conf is the config this writes for three replicas, as shipped).
+Everything after `--` is passed to each `caldrix serve`. Ctrl-C (or SIGTERM) stops nginx, then
+the replicas, each with the graceful stop of docs/serve.md.
+
+Only loopback addresses (127.0.0.0/8) are ever written into the config: the balancer of a
+cluster is the cluster's own (deploy/k8s/), not this script.
+
+`nginx_config` and `Balancer` are imported by tests/test_deploy.py and bench/replicas.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHIPPED = HERE / "nginx.conf"
+SHIPPED_RUN_DIR = "/tmp/caldrix-nginx"  # the run directory the shipped config names
+AFFINITY_HEADER = "X-Session-ID"
+
+# Keep the 413 text in step with caldrix/app.py's MAX_BODY message (routes/errors.py).
+_TOO_LARGE = ('{"error":{"message":"the request body is over 4 MiB","type":"invalid_request_error",'
+              '"param":null,"code":null}}')
+_NO_REPLICA = ('{"error":{"message":"no replica could take the request","type":"service_unavailable_error",'
+               '"param":null,"code":null}}')
+
+
+def loopback(host: str) -> str:
+    """`host` if it is an IPv4 loopback address (127.0.0.0/8); otherwise ValueError."""
+    addr = ipaddress.ip_address(host)
+    if not (addr.version == 4 and addr.is_loopback):
+        raise ValueError(f"only 127.0.0.0/8 addresses may be balanced here, got {host}")
+    return host
+
+
+def nginx_config(replicas: list[tuple[str, int]], listen: tuple[str, int], run_dir: str) -> str:
+    """The nginx configuration for `replicas` ((host, port) pairs, loopback only) behind
+    `listen`, with nginx's pid, logs and temporary files under `run_dir`."""
+    host, port = listen
+    loopback(host)
+    servers = "\n".join(f"        server {loopback(h)}:{p} max_fails=1 fail_timeout=5s;" for h, p in replicas)
+    return f"""\
+# caldrix replicas behind nginx. Written by deploy/replicas.py; see docs/deploy.md.
+# Run it in the foreground: nginx -p {run_dir} -c {run_dir}/nginx.conf -g 'daemon off;'
+
+worker_processes 1;  # one process keeps least_conn's counts exact; it is not the bottleneck
+pid {run_dir}/nginx.pid;
+error_log stderr warn;
+
+events {{
+    worker_connections 1024;
+}}
+
+http {{
+    log_format caldrix '$remote_addr [$time_iso8601] "$request" $status '
+                       'session="$http_x_session_id" upstream="$upstream_addr" '
+                       'upstream_status="$upstream_status" time=$request_time';
+    access_log {run_dir}/access.log caldrix;
+
+    client_body_temp_path {run_dir}/body;
+    proxy_temp_path {run_dir}/proxy;
+    fastcgi_temp_path {run_dir}/fastcgi;
+    uwsgi_temp_path {run_dir}/uwsgi;
+    scgi_temp_path {run_dir}/scgi;
+
+    # Affinity: a request that carries an {AFFINITY_HEADER} header goes to the replica its value
+    # hashes to (consistent hashing: adding or losing a replica moves about 1/N of the keys),
+    # so the prompt rows that replica holds for the session are reused. Others go to the
+    # replica with the fewest open requests.
+    map $http_x_session_id $caldrix_pool {{
+        ""      caldrix_spread;
+        default caldrix_affine;
+    }}
+
+    upstream caldrix_spread {{
+        zone caldrix_spread 64k;
+        least_conn;
+{servers}
+    }}
+
+    upstream caldrix_affine {{
+        zone caldrix_affine 64k;
+        hash $http_x_session_id consistent;
+{servers}
+    }}
+
+    server {{
+        listen {host}:{port};
+
+        # The whole body is read before a replica is picked, so a 429 or a refused connection
+        # can be retried on another replica. caldrix refuses bodies over 4 MiB; so does this.
+        client_max_body_size 4m;
+        client_body_buffer_size 4m;
+        error_page 413 = @too_large;
+        error_page 502 503 504 = @no_replica;
+
+        location / {{
+            proxy_pass http://$caldrix_pool;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $host;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+
+            # Server-sent events pass through as they are written (caldrix also sends
+            # X-Accel-Buffering: no on its streams).
+            proxy_buffering off;
+            gzip off;
+            proxy_read_timeout 600s;
+            proxy_send_timeout 600s;
+            proxy_connect_timeout 2s;
+
+            # A replica that refuses the connection, answers 502/503, or whose queue is full
+            # (429) gets the request passed to one other replica. 429 never marks a replica down;
+            # a refused connection or a 502/503 takes it out for fail_timeout, after which the
+            # next request tries it again. Nothing is retried once the client got a byte.
+            proxy_next_upstream error http_502 http_503 http_429 non_idempotent;
+            proxy_next_upstream_tries 2;
+            proxy_intercept_errors off;
+
+            # Which replicas the request went to, in order (for clients and tests).
+            add_header X-Caldrix-Upstream $upstream_addr always;
+        }}
+
+        location @too_large {{
+            default_type application/json;
+            return 413 '{_TOO_LARGE}';
+        }}
+
+        location @no_replica {{
+            default_type application/json;
+            add_header X-Caldrix-Upstream $upstream_addr always;
+            return 503 '{_NO_REPLICA}';
+        }}
+    }}
+}}
+"""
+
+
+def shipped_config() -> str:
+    """deploy/nginx.conf as shipped: three replicas on 8426-8428 behind 8425."""
+    return nginx_config([("127.0.0.1", 8426 + i) for i in range(3)], ("127.0.0.1", 8425), SHIPPED_RUN_DIR)
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+
+
+class Balancer:
+    """nginx in the foreground, on `listen`, in front of `replicas`. Use `start`, then `stop`."""
+
+    def __init__(self, proc: subprocess.Popen, run_dir: Path, url: str, owns_dir: bool):
+        self.proc = proc
+        self.run_dir = run_dir
+        self.url = url
+        self._owns_dir = owns_dir
+
+    @classmethod
+    def start(cls, replicas: list[tuple[str, int]], listen: tuple[str, int], run_dir: Path | None = None,
+              timeout: float = 20.0) -> Balancer:
+        binary = nginx_binary()
+        if binary is None:
+            raise FileNotFoundError("nginx is not installed (Debian: apt-get install nginx)")
+        owns = run_dir is None
+        run = Path(tempfile.mkdtemp(prefix="caldrix-nginx-")) if run_dir is None else run_dir
+        run.mkdir(parents=True, exist_ok=True)
+        conf = run / "nginx.conf"
+        conf.write_text(nginx_config(replicas, listen, str(run)))
+        if os.geteuid() == 0:  # workers run as nobody and write their temporary files here
+            os.chmod(run, 0o755)
+        check = subprocess.run([binary, "-t", "-q", "-p", str(run), "-c", str(conf)], capture_output=True, text=True)
+        if check.returncode != 0:
+            raise RuntimeError(f"nginx rejected {conf}:\n{check.stderr}")
+        proc = subprocess.Popen([binary, "-p", str(run), "-c", str(conf), "-g", "daemon off;"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        url = f"http://{listen[0]}:{listen[1]}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"nginx exited with status {proc.returncode}:\n{proc.stderr.read()}")
+            try:
+                urllib.request.urlopen(url + "/healthz", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        return cls(proc, run, url, owns)
+
+    def access_log(self) -> list[str]:
+        path = self.run_dir / "access.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)  # graceful: open streams finish
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        if self._owns_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"replica {url} exited with status {proc.returncode}")
+        try:
+            if urllib.request.urlopen(url + "/healthz", timeout=2).read() == b"ok":
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"replica {url} was not healthy within {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    serve_args: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, serve_args = argv[:at], argv[at + 1:]
+    ap = argparse.ArgumentParser(prog="deploy/replicas.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("replicas", type=int, help="how many caldrix processes")
+    ap.add_argument("--port", type=int, default=8425, help="the balancer's port; replicas take the next N")
+    ap.add_argument("--run-dir", default=SHIPPED_RUN_DIR, help="nginx's config, pid, logs and temporary files")
+    ap.add_argument("--print-config", action="store_true", help="print the nginx config and exit")
+    args = ap.parse_args(argv)
+    if args.replicas < 1:
+        ap.error(f"argument replicas: must be >= 1, got {args.replicas}")
+    host = "127.0.0.1"
+    ports = [args.port + 1 + i for i in range(args.replicas)]
+    if args.print_config:
+        sys.stdout.write(nginx_config([(host, p) for p in ports], (host, args.port), args.run_dir))
+        return 0
+    if nginx_binary() is None:
+        raise SystemExit("deploy/replicas.py: nginx is not installed (Debian: apt-get install nginx)")
+
+    procs: list[subprocess.Popen] = []
+    balancer: Balancer | None = None
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for p in ports:
+            cmd = [sys.executable, "-m", "caldrix", "serve", *serve_args, "--host", host, "--port", str(p)]
+            print(f"replicas: {' '.join(cmd[1:])}", flush=True)
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+        for p, proc in zip(ports, procs):
+            _wait_healthy(f"http://{host}:{p}", proc, timeout=600)
+        balancer = Balancer.start([(host, p) for p in ports], (host, args.port), Path(args.run_dir))
+        print(f"replicas: {len(ports)} replicas on {host}:{ports[0]}-{ports[-1]}; nginx on {balancer.url}/v1 "
+              f"(config {balancer.run_dir / 'nginx.conf'}, access log {balancer.run_dir / 'access.log'})", flush=True)
+        while balancer.proc.poll() is None and all(pr.poll() is None for pr in procs):
+            time.sleep(0.5)
+        print("replicas: a process ended; stopping the rest", flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if balancer is not None:
+            balancer.stop()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=45)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
