@@ -218,6 +218,18 @@ class Balancer:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+def replica_env(n: int) -> dict[str, str]:
+    """The environment of each of `n` replicas on this host. Each caldrix would otherwise run an
+    OpenMP team as wide as the machine, and N teams on the same cores, spinning while idle, make
+    every replica many times slower (measured on a busy 2-core machine: a 12-token reply took
+    23-37 s through three default replicas, 0.8-1.2 s with this environment). So unless the
+    caller set them: cores // n threads each, and idle threads asleep."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -261,19 +273,29 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    env = replica_env(args.replicas)
     try:
         for p in ports:
             cmd = [sys.executable, "-m", "caldrix", "serve", *serve_args, "--host", host, "--port", str(p)]
-            print(f"replicas: {' '.join(cmd[1:])}", flush=True)
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            print(f"replicas: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']} "
+                  f"{' '.join(cmd[1:])}", flush=True)
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env))
         for p, proc in zip(ports, procs):
             _wait_healthy(f"http://{host}:{p}", proc, timeout=600)
         balancer = Balancer.start([(host, p) for p in ports], (host, args.port), Path(args.run_dir))
         print(f"replicas: {len(ports)} replicas on {host}:{ports[0]}-{ports[-1]}; nginx on {balancer.url}/v1 "
               f"(config {balancer.run_dir / 'nginx.conf'}, access log {balancer.run_dir / 'access.log'})", flush=True)
-        while balancer.proc.poll() is None and all(pr.poll() is None for pr in procs):
+        # A replica that exits is left out by nginx (a refused connection moves the request
+        # on); this script does not restart it. Only nginx ending stops everything.
+        reported: set[int] = set()
+        while balancer.proc.poll() is None:
+            for p, proc in zip(ports, procs):
+                if proc.poll() is not None and p not in reported:
+                    reported.add(p)
+                    print(f"replicas: the replica on port {p} exited with status {proc.returncode}; "
+                          f"nginx sends its requests to the others", flush=True)
             time.sleep(0.5)
-        print("replicas: a process ended; stopping the rest", flush=True)
+        print(f"replicas: nginx exited with status {balancer.proc.returncode}; stopping the replicas", flush=True)
     except KeyboardInterrupt:
         pass
     finally:

