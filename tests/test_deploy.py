@@ -223,7 +223,7 @@ def test_a_full_queue_spills_the_next_request_to_another_replica(cluster):
 
 @needs_nginx
 def test_stopping_a_replica_mid_run_loses_no_request(cluster):
-    n, max_tokens = 14, 24
+    n, max_tokens = 12, 16
     victim = cluster.replicas[0]
     sent: list[float] = [0.0] * n
     stopped_at: list[float] = []
