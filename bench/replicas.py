@@ -13,8 +13,10 @@ In each, `--streams` requests are sent at once, each streamed, each asking for e
 their completion tokens (from the final usage chunk) over the wall time from the first send to
 the last byte. Also printed: time to first token, median and p90, and where the streams went.
 
-Each of the N replicas gets deploy/replicas.py's environment (OMP_NUM_THREADS = cores // N and
-OMP_WAIT_POLICY=PASSIVE unless already set); the lone replica gets the environment as it is.
+Every process gets deploy/replicas.py's environment (OMP_NUM_THREADS = cores // N, so every
+core for the lone replica, and OMP_WAIT_POLICY=PASSIVE, unless already set). With OpenMP's
+default spinning waits, on this shared 2-core VM (load average ~10), the lone replica managed
+about 4 tok/s. Results: docs/deploy.md.
 Needs nginx (Debian's package). Only loopback addresses are used.
 """
 
@@ -58,7 +60,7 @@ def free_port() -> int:
 def start_replica(flags: list[str], n: int, logdir: Path, name: str) -> tuple[subprocess.Popen, str]:
     """One of `n` replicas, with deploy/replicas.py's environment for n (n = 1: every core)."""
     port = free_port()
-    env = {**(deploy.replica_env(n) if n > 1 else os.environ), "PYTHONUNBUFFERED": "1"}
+    env = {**deploy.replica_env(n), "PYTHONUNBUFFERED": "1"}
     log = open(logdir / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "caldrix", "serve", *flags, "--host", HOST, "--port", str(port)],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -146,6 +148,7 @@ def run_balanced(n, flags, streams, max_tokens, logdir) -> dict:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally blocks stop the servers
     argv = sys.argv[1:]
     flags = list(DEFAULT_FLAGS)
     if "--" in argv:
