@@ -246,3 +246,27 @@ def test_the_package_and_caldrix_refuse_the_same_noul(deciders):
         "this model is a decider: a noul question without instructions needs criteria describing true or false",
         "questions.q.criteria",
     )
+
+
+def test_every_kind_of_tokenizer_builds_the_same_prompts(qwen35_tokenizer_dir, deciders):
+    """The engine's caldrix Tokenizer, a bare tokenizers.Tokenizer and transformers' agree."""
+    from tokenizers import Tokenizer as Bare
+
+    from caldrix.tokenizer import Tokenizer
+
+    state = {"text": "Grüße\n", "items": list(range(9))}
+    q = {"a": {"type": "choice", "instructions": "Which?\n", "criteria": {f"o{i}": "x " for i in range(12)}},
+         "b": {"type": "score", "instructions": "How much?", "criteria": ["1: low", "2: high"]}}
+    want = plan_request(deciders[True], state, q, CONTEXT)
+    for tok in (Tokenizer.load(qwen35_tokenizer_dir), Bare.from_file(str(qwen35_tokenizer_dir / "tokenizer.json"))):
+        d = Decider.from_config(deciders[True].config, tok, 248320)
+        assert (d.labels, d.longest_token_bytes) == (deciders[True].labels, deciders[True].longest_token_bytes)
+        assert plan_request(d, state, q, CONTEXT) == want
+
+
+def test_labels_outside_the_models_vocabulary_stop_the_load(qwen35_tokenizer):
+    with pytest.raises(prompt.LabelError, match=r"^the label AA is token 5840, outside the model's 5000-token vocabulary$"):
+        prompt.label_table(prompt.encoder(qwen35_tokenizer), 5000)
+    few = lambda s: [1, 2] if len(s) == 2 else [ord(s)]  # noqa: E731  (no two-letter label is one token)
+    with pytest.raises(prompt.LabelError, match=r"^the tokenizer makes only 26 of the labels A\.\.Z, AA\.\.ZZ one token each; a decider needs 255$"):
+        prompt.label_table(few)
