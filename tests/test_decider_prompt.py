@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,6 +37,30 @@ def package_rows(tok, state, questions, isolated):
     return prompt_fast.build_rows(tok, ctx, rows, max_ctx_tokens=1 << 30)
 
 
+class _NoShuffle:  # decider.serve's: options in request order
+    def shuffle(self, x):
+        pass
+
+
+@attrs.define
+class _Q:  # decider.infer's Q, without importing decider.infer (it needs torch and more)
+    text: str
+    options: list
+    gold: int
+
+
+@attrs.define
+class _Example:
+    context: str
+    qs: list
+
+
+def package_row(questions, isolated, i):
+    rqs = {k: systemone.render_question(v) for k, v in questions.items()}
+    flat, _ = systemone.plan_rows(rqs, isolated)
+    return flat[i]["question"], list(flat[i]["options"])
+
+
 @pytest.fixture(scope="module")
 def deciders(qwen35_tokenizer):
     """A decider that asks score levels together, and one that asks them one at a time."""
@@ -56,7 +81,13 @@ def assert_same(tok, decider, state, questions):
     assert len(ours.state_ids) == ctx_len
     assert len(ours.rows) == len(items)
     _, label_ids, _ = dprompt.label_table(tok)
+    ctx = systemone.render_state(state)
     for i, it in enumerate(items):
+        if i < 3:  # and the package's original row builder, which prompt_fast reproduces
+            text, options = package_row(questions, decider.config.isolated_levels, i)
+            one = dprompt.build(_Example(ctx, [_Q(text, options, 0)]), tok, _NoShuffle(), max_options=255,
+                                max_ctx_tokens=1 << 30)
+            assert one["ids"] == it["ids"]
         assert list(ours.prompt(i)) == it["ids"], (i, tok.decode(list(ours.prompt(i))), tok.decode(it["ids"]))
         assert it["slots"] == [len(it["ids"]) - 1]  # read at the row's last token
         assert list(ours.rows[i].read_ids) == label_ids[: it["nopts"][0]]
@@ -248,7 +279,7 @@ def test_the_package_and_caldrix_refuse_the_same_noul(deciders):
     )
 
 
-def test_every_kind_of_tokenizer_builds_the_same_prompts(qwen35_tokenizer_dir, deciders):
+def test_every_kind_of_tokenizer_builds_the_same_prompts(qwen35_tokenizer, qwen35_tokenizer_dir, deciders):
     """The engine's caldrix Tokenizer, a bare tokenizers.Tokenizer and transformers' agree."""
     from tokenizers import Tokenizer as Bare
 
@@ -258,7 +289,7 @@ def test_every_kind_of_tokenizer_builds_the_same_prompts(qwen35_tokenizer_dir, d
     q = {"a": {"type": "choice", "instructions": "Which?\n", "criteria": {f"o{i}": "x " for i in range(12)}},
          "b": {"type": "score", "instructions": "How much?", "criteria": ["1: low", "2: high"]}}
     want = plan_request(deciders[True], state, q, CONTEXT)
-    for tok in (Tokenizer.load(qwen35_tokenizer_dir), Bare.from_file(str(qwen35_tokenizer_dir / "tokenizer.json"))):
+    for tok in (Tokenizer(qwen35_tokenizer), Bare.from_file(str(qwen35_tokenizer_dir / "tokenizer.json"))):
         d = Decider.from_config(deciders[True].config, tok, 248320)
         assert (d.labels, d.longest_token_bytes) == (deciders[True].labels, deciders[True].longest_token_bytes)
         assert plan_request(d, state, q, CONTEXT) == want
