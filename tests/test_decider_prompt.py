@@ -16,7 +16,6 @@ import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from qwen35_tokenizer import qwen35_tokenizer, qwen35_tokenizer_dir_fixture  # noqa: F401 (fixtures)
 
 from caldrix.decider import limits, prompt
 from caldrix.decider.config import DeciderConfig

@@ -14,7 +14,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from qwen35_tokenizer import qwen35_tokenizer, qwen35_tokenizer_dir_fixture  # noqa: F401 (fixtures)
 
 from caldrix.decider import limits, reading
 from caldrix.decider.config import DeciderConfig

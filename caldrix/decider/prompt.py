@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import string
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -106,16 +106,17 @@ def longest_token_bytes(tokenizer: Any) -> int:
     length in characters is its length in bytes. Otherwise a token's UTF-8 length is used, which
     is never less than the bytes it stands for (SentencePiece's "\u2581" is 3 bytes for a space).
     Added tokens count their text's UTF-8 length."""
+    from tokenizers import Tokenizer as Backend
+
     hf = getattr(tokenizer, "hf", tokenizer)
-    backend = getattr(hf, "backend_tokenizer", hf)
-    decoder = getattr(backend, "decoder", None)
-    byte_level = type(decoder).__name__ == "ByteLevel"
-    vocab = backend.get_vocab(with_added_tokens=False) if hasattr(backend, "get_vocab") else hf.get_vocab()
+    backend = hf if isinstance(hf, Backend) else getattr(hf, "backend_tokenizer", None)
+    if not isinstance(backend, Backend):  # a slow transformers tokenizer: its vocabulary as text
+        return max((len(k.encode("utf-8")) for k in hf.get_vocab()), default=1)
+    byte_level = type(backend.decoder).__name__ == "ByteLevel"
+    vocab = backend.get_vocab(with_added_tokens=False)
     longest = max((len(k) if byte_level else len(k.encode("utf-8")) for k in vocab), default=1)
-    added = getattr(backend, "get_added_tokens_decoder", None)
-    if added is not None:
-        for token in added().values():
-            longest = max(longest, len(getattr(token, "content", str(token)).encode("utf-8")))
+    for token in backend.get_added_tokens_decoder().values():
+        longest = max(longest, len(token.content.encode("utf-8")))
     return max(longest, 1)
 
 
