@@ -139,3 +139,15 @@ def test_bytes_that_are_not_utf8(tmp_path):
     path.write_bytes(b'{"temperature": 1, "neutralize_none": false, "version": "\xff"}')
     with pytest.raises(DeciderConfigError, match=r"decider_config.json: not UTF-8 text \(invalid start byte at byte 57\)"):
         dc.load(path)
+
+
+def test_a_model_directory_is_a_decider_when_it_holds_the_file(tmp_path, qwen35_tokenizer):
+    from caldrix.decider import Decider, DeciderConfigError
+
+    assert Decider.load(tmp_path, qwen35_tokenizer, 248320) is None
+    write(tmp_path, DECIDER_0_8B_LIKE)
+    d = Decider.load(tmp_path, qwen35_tokenizer, 248320)
+    assert d.config.temperature == 1.03 and d.config.isolated_levels and len(d.labels.ids) == 255
+    write(tmp_path, {**DECIDER_0_8B_LIKE, "images": True})
+    with pytest.raises(DeciderConfigError, match='"images": true is not built in this release'):
+        Decider.load(tmp_path, qwen35_tokenizer, 248320)
