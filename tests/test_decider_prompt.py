@@ -300,3 +300,19 @@ def test_labels_outside_the_models_vocabulary_stop_the_load(qwen35_tokenizer):
     few = lambda s: [1, 2] if len(s) == 2 else [ord(s)]  # noqa: E731  (no two-letter label is one token)
     with pytest.raises(prompt.LabelError, match=r"^the tokenizer makes only 26 of the labels A\.\.Z, AA\.\.ZZ one token each; a decider needs 255$"):
         prompt.label_table(few)
+
+
+def test_questions_as_records_build_the_same_prompts(deciders):
+    @attrs.frozen
+    class Question:  # the shape a route's parsed question may have: absent fields are None
+        type: str
+        instructions: object = None
+        criteria: object = None
+
+    as_dicts = {"c": {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": [1.5]}},
+                "s": {"type": "score", "instructions": {"k": "v"}, "criteria": ["1: low", "2: high"]},
+                "n": {"type": "noul", "criteria": {"true": "yes it is"}}}
+    as_records = {k: Question(**v) for k, v in as_dicts.items()}
+    for d in deciders.values():
+        assert plan_request(d, "s", as_records, CONTEXT) == plan_request(d, "s", as_dicts, CONTEXT)
+    assert limits.check_questions({"n": Question("noul")}, 255) == limits.check_questions({"n": {"type": "noul"}}, 255)

@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from caldrix.decider.prompt import field
+
 PREFIX = "this model is a decider: "
 MIN_QUESTIONS, MAX_QUESTIONS = 1, 64
 MIN_OPTIONS = 2
@@ -35,24 +37,25 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value == "")
 
 
-def check_questions(questions: Mapping[str, Mapping[str, Any]], max_options: int) -> Refusal | None:
+def check_questions(questions: Mapping[str, Any], max_options: int) -> Refusal | None:
     """The four refusals that start "this model is a decider: ", the first that applies.
 
-    `questions` maps names to questions whose shape the route has checked: "type" one of choice,
-    score, noul; "criteria" a mapping (choice), a sequence (score), or a mapping with "true" and
-    "false" keys, null or absent (noul); "instructions" absent or any JSON value."""
+    `questions` maps names to questions (mappings, or records with attributes of the same
+    names) whose shape the route has checked: "type" one of choice, score, noul; "criteria" a
+    mapping (choice), a sequence (score), or a mapping with "true" and "false" keys, null or
+    absent (noul); "instructions" absent or any JSON value."""
     n = len(questions)
     if not MIN_QUESTIONS <= n <= MAX_QUESTIONS:
         return Refusal(f"{PREFIX}questions must hold {MIN_QUESTIONS} to {MAX_QUESTIONS} questions, got {n}", "questions")
     for name, q in questions.items():
-        kind = q["type"]
+        kind = field(q, "type")
         where = f"questions.{name}"
-        if kind in ("choice", "score") and _missing(q.get("instructions")):
+        if kind in ("choice", "score") and _missing(field(q, "instructions")):
             return Refusal(
                 f'{PREFIX}instructions are required on a {kind} question and may not be null or ""',
                 f"{where}.instructions",
             )
-        criteria = q.get("criteria")
+        criteria = field(q, "criteria")
         if kind == "choice":
             count = len(criteria) if criteria is not None else 0
             if not MIN_OPTIONS <= count <= max_options:
@@ -67,7 +70,7 @@ def check_questions(questions: Mapping[str, Mapping[str, Any]], max_options: int
                     f"{PREFIX}a score question takes {MIN_LEVELS} to {MAX_LEVELS} levels, got {count}",
                     f"{where}.criteria",
                 )
-        elif kind == "noul" and _missing(q.get("instructions")):
+        elif kind == "noul" and _missing(field(q, "instructions")):
             c = criteria if isinstance(criteria, Mapping) else {}
             if _missing(c.get("true")) and _missing(c.get("false")):
                 return Refusal(

@@ -94,7 +94,7 @@ class DeciderPrompts:
 
 
 def plan_request(
-    decider: Decider, state: Any, questions: Mapping[str, Mapping[str, Any]], context: int
+    decider: Decider, state: Any, questions: Mapping[str, Any], context: int
 ) -> DeciderPrompts | limits.Refusal:
     """Check and build a request's prompts: the decider's question limits, the state cap (on
     the text, then on the ids), then every prompt's length under `context` (the compiled
@@ -115,7 +115,7 @@ def plan_request(
     rows: list[Row] = []
     plans: list[QuestionPlan] = []
     for name, q in questions.items():
-        kind = q["type"]
+        kind = prompt.field(q, "type")
         isolated = kind == "score" and cfg.isolated_levels
         asked = prompt.isolated_levels(q) if isolated else (prompt.render(q),)
         first = len(rows)
@@ -129,9 +129,9 @@ def plan_request(
                 )
             )
         if kind == "choice":
-            options = tuple(q["criteria"])
+            options = tuple(prompt.field(q, "criteria"))
         elif kind == "score":
-            options = tuple(str(i) for i in range(len(q["criteria"])))
+            options = tuple(str(i) for i in range(len(prompt.field(q, "criteria"))))
         else:
             options = ("false", "true")
         plans.append(QuestionPlan(name, kind, options, first, len(rows) - first, isolated))

@@ -179,6 +179,15 @@ def state_text(state: Any) -> str:
 # Questions
 
 
+def field(question: Any, name: str) -> Any:
+    """A question's "type", "instructions" or "criteria": from a mapping (absent reads as None)
+    or from a record's attribute of that name. Absent and null instructions mean the same to a
+    decider, as do absent and null noul criteria."""
+    if isinstance(question, Mapping):
+        return question.get(name)
+    return getattr(question, name, None)
+
+
 def _empty(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value == "")
 
@@ -196,16 +205,16 @@ class QuestionText:
     options: tuple[str, ...]
 
 
-def render(question: Mapping[str, Any]) -> QuestionText:
+def render(question: Any) -> QuestionText:
     """A checked question (type choice, score or noul, the decider limits met) as text.
 
     choice: each option "name", or "name: description" when the description is neither null nor
     "". score: each level "i: level". noul: "no" and "yes", each followed by ": description"
     when criteria describe false and true. A noul without instructions asks the fixed sentence
     "Which answer fits the context?"."""
-    kind = question["type"]
-    criteria = question.get("criteria")
-    instructions = question.get("instructions")
+    kind = field(question, "type")
+    criteria = field(question, "criteria")
+    instructions = field(question, "instructions")
     if kind == "noul" and _empty(instructions):
         text = NOUL_WITHOUT_INSTRUCTIONS
     else:
@@ -223,12 +232,12 @@ def render(question: Mapping[str, Any]) -> QuestionText:
     return QuestionText(text=text, options=options)
 
 
-def isolated_levels(question: Mapping[str, Any]) -> tuple[QuestionText, ...]:
+def isolated_levels(question: Any) -> tuple[QuestionText, ...]:
     """A score question asked one level at a time: per level, a yes/no question about it."""
-    instructions = text_of(question.get("instructions"))
+    instructions = text_of(field(question, "instructions"))
     return tuple(
         QuestionText(text=ISOLATED.format(q=instructions, level=strip_level_number(text_of(level))), options=("no", "yes"))
-        for level in question["criteria"]
+        for level in field(question, "criteria")
     )
 
 
