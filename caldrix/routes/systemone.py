@@ -14,6 +14,8 @@ replay ring and /metrics count every one; their records carry the status the cli
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 
 import trio
 from quart import Blueprint, current_app, g, request
@@ -27,6 +29,7 @@ from caldrix.systemone import jsonlex
 from caldrix.systemone.reading import NotFinite, Probe, Reading, ZeroShot, answer
 from caldrix.systemone.request import parse_body, parse_request
 
+log = logging.getLogger("caldrix.systemone")
 bp = Blueprint("systemone", __name__)
 ROUTE = "/v1/systemone"
 NEEDS_SINGLE_STREAM = "/v1/systemone needs --max-batch 1"
@@ -69,6 +72,8 @@ async def systemone():
             reads = []
             for probe in plan.probes:
                 rid = f"{base}.{len(ran)}"
+                if probe.text and log.isEnabledFor(logging.DEBUG):  # text only when asked for
+                    log.debug("%s question %s prompt %s", rid, plan.question.name, json.dumps(probe.text))
                 reads.append(await _read(submit_tx, rid, probe, ran))
                 tokens += probe.counted
             try:

@@ -34,6 +34,7 @@ class Probe:
     ids: tuple[int, ...]
     read_ids: tuple[int, ...]
     counted: int
+    text: str = ""  # the rendered prompt, for the route's debug log (--log-level debug)
 
 
 @attrs.frozen
@@ -198,7 +199,7 @@ class ZeroShot:
             if len(prompt_ids) >= context:
                 raise ApiError.invalid(f"the prompt of this question is {len(prompt_ids)} tokens and the context "
                                        f"holds {context}; that leaves no room for the read", q.path)
-            plans.append(Plan(q, (Probe(prompt_ids, ids, len(prompt_ids)),)))
+            plans.append(Plan(q, (Probe(prompt_ids, ids, len(prompt_ids), text),)))
         return plans
 
     def probabilities(self, plan: Plan, reads: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
