@@ -39,7 +39,7 @@ def state(run: int) -> str:
     """About 1,000 tokens of SmolLM2's tokenizer: an order history, led by the run number."""
     lines = [f"Run {run}. Customer message: I was charged twice for my order last week and I want one of the "
              "payments back. Order history follows."]
-    for i in range(62):
+    for i in range(40):
         lines.append(f"Order {1000 + i}: {i % 7 + 1} items, shipped to Lyon, paid {12 + i * 3} euros by card.")
     return "\n".join(lines)
 

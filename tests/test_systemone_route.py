@@ -101,7 +101,7 @@ def test_every_question_is_one_read_only_submission(tokenizer):
     head = tokenizer.hf.apply_chat_template([{"role": "user", "content": 'State:\n{"order":17,"total":1.5}'}],
                                             tokenize=False, add_generation_prompt=False)
     shared = tokenizer.hf(head.rsplit("<|im_end|>", 1)[0], add_special_tokens=False)["input_ids"]
-    assert all(s.prompt_ids[: len(shared) - 1] == tuple(shared[:-1]) for s in seen)
+    assert len(shared) > 20 and all(s.prompt_ids[: len(shared) - 1] == tuple(shared[:-1]) for s in seen)
 
 
 def test_a_full_queue_between_questions_is_a_429_for_the_whole_request(tokenizer):
