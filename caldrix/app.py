@@ -38,6 +38,8 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     app.register_blueprint(health.bp)
     app.register_blueprint(completions.bp)
     app.register_blueprint(debug.bp)  # /metrics, /debug/*, and the response counter
+    from caldrix.routes import systemone
+    app.register_blueprint(systemone.bp)  # /v1/systemone
 
     @app.errorhandler(ApiError)
     async def api_error(err: ApiError):

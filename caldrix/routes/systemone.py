@@ -1,0 +1,124 @@
+"""POST /v1/systemone: typed decisions read from next-token logits (http-api.md).
+
+Flow: read the body (413 over the server's limit) -> parse it keeping number lexemes, refusing
+duplicate keys -> validate every question (400) -> the server and model checks (param null) ->
+build and tokenize every prompt, checking each fits the context (400) -> run the probes one at
+a time through the request queue as read-only submissions (429 for the whole request when the
+queue is full, 503 when the engine has stopped, 500 when it failed or a reading is not finite)
+-> the answers, in the request's order.
+
+Each probe is its own scheduler request with its own id ("so-7.0", "so-7.1", ...), so the
+replay ring and /metrics count every one; their records carry the status the client got.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+
+import trio
+from quart import Blueprint, current_app, g, request
+
+from caldrix.app import json_response
+from caldrix.generate import EngineStopped, GenRequest, QueueFull, submit
+from caldrix.protocol import FinishReason, SamplingParams
+from caldrix.routes.debug import refuse
+from caldrix.routes.errors import ApiError
+from caldrix.systemone import jsonlex
+from caldrix.systemone.reading import NotFinite, Probe, Reading, ZeroShot, answer
+from caldrix.systemone.request import parse_body, parse_request
+
+log = logging.getLogger("caldrix.systemone")
+bp = Blueprint("systemone", __name__)
+ROUTE = "/v1/systemone"
+NEEDS_SINGLE_STREAM = "/v1/systemone needs --max-batch 1"
+_ids = itertools.count(1)
+
+
+def reading_for(rt) -> Reading:
+    """The server's reading, made on first use and kept. The decider reading (issue 27) is
+    chosen here when the model directory holds a decider_config.json."""
+    ext = current_app.extensions
+    reading = ext.get("caldrix.systemone")
+    if reading is None:
+        reading = ext["caldrix.systemone"] = ZeroShot(rt.tokenizer, rt.vocab_size)
+    return reading
+
+
+@bp.post(ROUTE)
+async def systemone():
+    rt, submit_tx = current_app.extensions["caldrix"]
+    body = parse_body(await request.get_data(cache=False))
+    reading = reading_for(rt)
+    req = parse_request(body, rt.served_name, reading.limits)
+    if rt.cfg.max_batch > 1:
+        raise ApiError.invalid(NEEDS_SINGLE_STREAM, None)
+    reading.check_model()
+    for q in req.questions:
+        reading.check_question(q)
+    # Rendering and tokenizing 64 prompts of a long state takes a while: off the event loop.
+    plans = await trio.to_thread.run_sync(reading.plan, req, rt.context)
+    if rt.scheduler.failed:
+        raise ApiError.engine_unavailable()
+
+    base = f"so-{next(_ids)}"
+    g.caldrix_request_id = base
+    ran: list[str] = []  # probes the scheduler took: their records get the route's half
+    status = 499  # left as is only when the client went away (the handler was cancelled)
+    try:
+        answers, tokens = {}, 0
+        for plan in plans:
+            reads = []
+            for probe in plan.probes:
+                rid = f"{base}.{len(ran)}"
+                if probe.text and log.isEnabledFor(logging.DEBUG):  # text only when asked for
+                    log.debug("%s question %s prompt %s", rid, plan.question.name, json.dumps(probe.text))
+                reads.append(await _read(submit_tx, rid, probe, ran))
+                tokens += probe.counted
+            try:
+                p = reading.probabilities(plan, reads)
+            except NotFinite:
+                raise ApiError(500, f'the engine gave no usable reading for question "{plan.question.name}": '
+                                    "a probability is not a finite number") from None
+            answers[plan.question.name] = answer(plan.question, p, jsonlex.echo)
+        status = 200
+    except ApiError as err:
+        status = err.status
+        raise
+    except Exception:
+        status = 500
+        raise
+    finally:
+        # No await here: a cancelled handler gets no further checkpoint.
+        for rid in ran:
+            rt.telemetry.route_done(rid, route=ROUTE, status=status,
+                                    finish=FinishReason.STOP if status == 200 else None, stream=False)
+    return json_response({"model": rt.served_name, "answers": answers,
+                          "usage": {"input_tokens": tokens, "output_tokens": 0}})
+
+
+async def _read(submit_tx: trio.MemorySendChannel, rid: str, probe: Probe, ran: list[str]) -> tuple[float, ...]:
+    """Submit one read-only probe and wait for its logits."""
+    gen = GenRequest(request_id=rid, prompt_ids=probe.ids, max_tokens=1, sampling=SamplingParams(),
+                     stop_token_ids=frozenset())
+    try:
+        rx = submit(submit_tx, gen, read_ids=probe.read_ids)
+    except QueueFull:
+        refuse(rid, gen, 429, stream=False)
+        raise ApiError.queue_full() from None
+    except EngineStopped:
+        refuse(rid, gen, 503, stream=False)
+        raise ApiError.engine_unavailable() from None
+    ran.append(rid)
+    with rx:
+        async for event in rx:
+            if event.finish is FinishReason.ERROR:
+                raise ApiError.engine_failed(event.error)
+            if event.finish is FinishReason.ABORT:  # the server is shutting down
+                raise ApiError(503, event.error or "the engine is unavailable")
+            if event.finish is not None:
+                if len(event.read) != len(probe.read_ids):
+                    raise ApiError.engine_failed("the engine returned no reading")
+                return event.read
+    raise ApiError.engine_failed("the engine stopped during the request")
