@@ -176,6 +176,8 @@ def test_snapshot_restore_is_exact(pair, expected):
     prefill(model, state, prompt(200, seed=7), 0, 0)  # slot 0 starts another sequence
     state.restore(alone, 2)
     assert torch.equal(again(2), straight)
+    with pytest.raises(ValueError, match="another sequence"):
+        state.restore(kept, 3)  # its rows were in slot 0, which now holds something else
     with pytest.raises(ValueError, match="current length"):
         state.snapshot(2, cut)
 

@@ -28,6 +28,7 @@ class Qwen35Snapshot:
 
     slot: int
     length: int
+    epoch: int  # the slot's epoch when taken: its K/V rows are still the snapshot's while it holds
     conv: torch.Tensor
     rec: torch.Tensor
     k: torch.Tensor | None = None
@@ -51,6 +52,9 @@ class Qwen35State:
         self.rows = rows
         self.num_slots = num_slots
         self.lengths = [0] * num_slots  # tokens each slot's linear state has seen
+        # bumped whenever a slot's K/V rows may be rewritten below its length (a reset, a restore
+        # that copies rows in): a snapshot that left its rows in the slot checks it
+        self.epochs = [0] * num_slots
 
     @property
     def nbytes(self) -> int:
@@ -61,32 +65,42 @@ class Qwen35State:
         self.conv[:, slot].zero_()
         self.rec[:, slot].zero_()
         self.lengths[slot] = 0
+        self.epochs[slot] += 1
 
     def snapshot(self, slot: int, length: int, copy_kv: bool = False) -> Qwen35Snapshot:
         """The state of `slot` now, which must be at `length` tokens (the linear layers hold no
         other). With copy_kv the K/V rows below `length` are copied too, so the snapshot stands
         alone; without, they stay in `slot`, and restoring elsewhere copies them from there:
         the caller must not have rewritten that slot's rows below `length` meanwhile (going on
-        past `length` is fine; resetting it and prefilling another sequence is not)."""
+        past `length` is fine; resetting it or restoring another slot's snapshot into it is not, and
+        restore then raises)."""
         if self.lengths[slot] != length:
             raise ValueError(f"slot {slot} is at {self.lengths[slot]} tokens, not {length}: a snapshot "
                              f"of the linear layers exists only at the slot's current length")
         k = self.k[:, slot, :, :length].clone() if copy_kv else None
         v = self.v[:, slot, :, :length].clone() if copy_kv else None
-        return Qwen35Snapshot(slot, length, self.conv[:, slot].clone(), self.rec[:, slot].clone(), k, v)
+        return Qwen35Snapshot(slot, length, self.epochs[slot], self.conv[:, slot].clone(), self.rec[:, slot].clone(),
+                              k, v)
 
     def restore(self, snap: Qwen35Snapshot, slot: int) -> None:
         """Put `snap` into `slot` (the one it came from or another): afterwards the slot
         continues exactly, bit for bit, as the snapshotted one would have."""
         n = snap.length
-        self.conv[:, slot] = snap.conv
-        self.rec[:, slot] = snap.rec
+        if snap.k is None and self.epochs[snap.slot] != snap.epoch:
+            raise ValueError(f"slot {snap.slot} has started another sequence since this snapshot was taken, "
+                             f"and the snapshot's K/V rows were left there (take it with copy_kv=True)")
+        if n > self.rows:
+            raise ValueError(f"the snapshot's {n} tokens exceed the state's {self.rows} rows")
         if snap.k is not None:
             self.k[:, slot, :, :n] = snap.k
             self.v[:, slot, :, :n] = snap.v
         elif slot != snap.slot:
             self.k[:, slot, :, :n] = self.k[:, snap.slot, :, :n]
             self.v[:, slot, :, :n] = self.v[:, snap.slot, :, :n]
+        if snap.k is not None or slot != snap.slot:
+            self.epochs[slot] += 1  # its rows changed: snapshots that left rows in it are void
+        self.conv[:, slot] = snap.conv
+        self.rec[:, slot] = snap.rec
         self.lengths[slot] = n
 
     def begin(self, at) -> int:
