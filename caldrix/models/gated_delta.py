@@ -1,0 +1,88 @@
+"""The gated delta rule of Qwen3.5's linear-attention layers, in plain torch, two ways.
+
+Per value head the layer keeps a matrix S [dk, dv] (float32). Each token t, with a key k and
+query q (both L2-normalized, q also scaled by dk^-0.5), a value v, a decay g <= 0 (log space)
+and a write strength beta in (0, 1), does
+
+    S <- exp(g) * S                       forget a little
+    S <- S + k (beta * (v - k^T S))^T     write the part of v that S does not already predict
+    o  = q^T S                            read
+
+`recurrent` runs that step for one token of many sequences at once (decode). `chunked` runs a
+whole stretch of one sequence by chunks of 64 tokens: inside a chunk the writes are solved as
+one unit-lower-triangular system (the UT transform of the DeltaNet papers), between chunks S
+is carried. It is the same algorithm as transformers' torch_chunk_gated_delta_rule, so the two
+agree to float32 rounding; both continue from a given S and return the final one.
+
+Shapes: N independent heads (batch x heads flattened), T tokens, dk key dim, dv value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # as fla and transformers do it: eps inside the square root of the sum, not the mean
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor) -> torch.Tensor:
+    """One token per head, in place on `state`.
+
+    q, k [N, dk]; v [N, dv]; g, beta [N]; state [N, dk, dv], all float32. Returns o [N, dv]."""
+    state.mul_(g.exp()[:, None, None])
+    predicted = torch.bmm(k.unsqueeze(1), state).squeeze(1)  # [N, dv] = k^T S
+    delta = (v - predicted) * beta[:, None]
+    state.baddbmm_(k.unsqueeze(2), delta.unsqueeze(1))  # S += k delta^T
+    return torch.bmm(q.unsqueeze(1), state).squeeze(1)
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """T tokens per head, continuing from `state`.
+
+    q, k [N, T, dk]; v [N, T, dv]; g, beta [N, T]; state [N, dk, dv], all float32.
+    Returns (o [N, T, dv], the final state [N, dk, dv]); `state` itself is not written."""
+    N, T, dk = k.shape
+    dv = v.shape[-1]
+    # callers pass head-major views of token-major rows: one copy here makes every later
+    # elementwise op and matmul run over contiguous memory (strided, they took 3x as long)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    c = min(chunk, T)
+    pad = -T % c
+    if pad:  # zero keys and zero decay: padded tokens neither write nor forget
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // c
+    q, k, v = q.view(N, n, c, dk), k.view(N, n, c, dk), v.view(N, n, c, dv)
+    beta = beta.view(N, n, c, 1)
+    kb, vb = k * beta, v * beta
+    cum = g.view(N, n, c).cumsum(-1)  # [N, n, c]: log of the decay from the chunk's start to t
+    later = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+    # decay[i, j] = exp(cum_i - cum_j): what position j's write has lost by position i (j <= i)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()  # [N, n, c, c]
+    # (I + strictly-lower(beta k k^T * decay)) solves the chunk's interleaved writes at once
+    system = (kb @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)  # [N, n, c, dv]
+    w = torch.linalg.solve_triangular(system, kb * cum.exp().unsqueeze(-1), upper=False,
+                                      unitriangular=True)  # [N, n, c, dk]
+    inside = (q @ k.transpose(-1, -2)) * decay  # [N, n, c, c]: reads of this chunk's own writes
+    q_in = q * cum.exp().unsqueeze(-1)  # reads of the carried state, decayed to each position
+    k_out = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # writes, decayed to the chunk's end
+    carry = cum[..., -1].exp()[..., None, None]  # [N, n, 1, 1]
+    # per chunk, two matmuls instead of four: [w; q_in] @ s, then [inside; k_out^T] @ fresh
+    by_state = torch.cat((w, q_in), dim=2)  # [N, n, 2c, dk]
+    by_fresh = torch.cat((inside, k_out.transpose(-1, -2)), dim=2)  # [N, n, c + dk, c]
+    out = torch.empty(N, n, c, dv, dtype=q.dtype, device=q.device)
+    s = state
+    for i in range(n):
+        read = by_state[:, i] @ s  # [N, 2c, dv]
+        fresh = u[:, i] - read[:, :c]  # [N, c, dv]: the writes, less what s already predicts
+        got = by_fresh[:, i] @ fresh  # [N, c + dk, dv]
+        out[:, i] = read[:, c:] + got[:, :c]
+        s = s * carry[:, i] + got[:, c:]
+    return out.view(N, n * c, dv)[:, :T], s

@@ -1,0 +1,392 @@
+"""Plain torch Qwen3.5 (text): gated delta-net linear attention beside gated full attention.
+
+Layers are of two kinds (`layer_types`): "linear_attention" layers keep, per sequence, a conv
+window (the last kernel-1 inputs of a depthwise causal conv) and a float32 recurrent matrix
+per value head (models/gated_delta.py); "full_attention" layers keep K/V rows, like llama's.
+Called as llama's Decoder is: `model(ids [T], at: Attend, state) -> hidden [T, D]`, then
+`model.logits(hidden)`. The per-slot state is `Qwen35.new_state(...)`, a `Qwen35State`.
+
+The maths follows transformers' modeling_qwen3_5.py (5.x), which tests/test_qwen3_5.py holds
+this file to: zero-centred RMSNorm (x * (1 + w)), a q projection that also yields a sigmoid
+output gate, per-head q/k norms, RoPE on the first head_dim * partial_rotary_factor dims (the
+multimodal rope's three position rows are equal for text, so it is ordinary RoPE), and a
+gated RMSNorm (w * norm(x) * silu(z)) before the linear layers' out_proj.
+
+Shapes: T rows, D hidden, H query heads, G kv heads, E head dim, R rotary dims, S slots,
+C context rows, W conv channels (2*nk*dk + nv*dv), nk/nv linear key/value heads, dk/dv their
+dims, K conv kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from caldrix.models import gated_delta
+from caldrix.models.decoder import Attend
+from caldrix.models.qwen3_5_state import Qwen35Snapshot, Qwen35State  # noqa: F401 (re-exported)
+
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+
+
+@attrs.frozen
+class Qwen35Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_embeddings: bool
+    max_positions: int
+    attention_bias: bool
+    layer_types: tuple[str, ...]
+    conv_kernel: int
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "Qwen35Config":
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Qwen35Config":
+        """Both shapes of config.json: `qwen3_5_text` (the text fields at the top) and the
+        composite `qwen3_5` (them under `text_config`, beside a `vision_config` this file
+        ignores). In the composite, the top-level `tie_word_embeddings` is the one the
+        checkpoint was saved under (Qwen3.5-0.8B sets it at both levels)."""
+        archs = raw.get("architectures") or []
+        kind = raw.get("model_type")
+        if kind not in ("qwen3_5", "qwen3_5_text") and not any(a in ARCHITECTURES for a in archs):
+            raise ValueError(f"not a Qwen3.5 config: model_type {kind!r}, architectures {archs!r}")
+        text = raw.get("text_config") if kind == "qwen3_5" or "text_config" in raw else raw
+        if not isinstance(text, dict):
+            raise ValueError("a qwen3_5 config needs a text_config object")
+        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        if text.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {text['hidden_act']!r}; Qwen3.5 uses silu")
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r}; only default RoPE is implemented")
+        heads = text["num_attention_heads"]
+        head_dim = text.get("head_dim") or text["hidden_size"] // heads
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        n = text["num_hidden_layers"]
+        types = text.get("layer_types")
+        if types is None:  # as transformers derives it: every interval-th layer is full attention
+            every = text.get("full_attention_interval", 4)
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+            raise ValueError(f"layer_types must name {n} layers, each linear_attention or full_attention")
+        return cls(
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_layers=n,
+            num_heads=heads,
+            num_kv_heads=text.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(tie),
+            max_positions=text.get("max_position_embeddings", 32768),
+            attention_bias=bool(text.get("attention_bias", False)),
+            layer_types=tuple(types),
+            conv_kernel=text.get("linear_conv_kernel_dim", 4),
+            linear_key_heads=text.get("linear_num_key_heads", 16),
+            linear_value_heads=text.get("linear_num_value_heads", 32),
+            linear_key_dim=text.get("linear_key_head_dim", 128),
+            linear_value_dim=text.get("linear_value_head_dim", 128),
+        )
+
+
+def zc_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm: `scale` is 1 + w, float32, made at load; the product is taken in
+    float32 and then cast, as transformers' Qwen3_5RMSNorm does (llama casts first)."""
+    return F.rms_norm(x.float(), scale.shape, scale, eps).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, E]; cos, sin [T, 1, R]: RoPE on the first R dims (half-split layout), the rest as is
+    r = cos.shape[-1]
+    xr, rest = x[..., :r], x[..., r:]
+    half = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), dim=-1)
+    return torch.cat((xr * cos + half * sin, rest), dim=-1)
+
+
+class FullAttention(nn.Module):
+    def __init__(self, cfg: Qwen35Config, slot: int):
+        super().__init__()
+        self.cfg, self.slot = cfg, slot  # slot: this layer's index among the full-attention layers
+        h, g, e, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.sizes = (2 * h * e, g * e, g * e)
+        self.wqkv = nn.Linear(d, sum(self.sizes), bias=cfg.attention_bias)  # q+gate interleaved per head, k, v
+        self.wo = nn.Linear(h * e, d, bias=cfg.attention_bias)
+        self.q_scale = nn.Parameter(torch.ones(e, dtype=torch.float32))  # 1 + q_norm.weight
+        self.k_scale = nn.Parameter(torch.ones(e, dtype=torch.float32))
+
+    def forward(self, x, cos, sin, at: Attend, state) -> torch.Tensor:
+        cfg = self.cfg
+        T, h, g, e = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qg, k, v = self.wqkv(x).split(self.sizes, dim=-1)
+        qg = qg.view(T, h, 2 * e)
+        q, gate = qg[..., :e], qg[..., e:].reshape(T, h * e)
+        q = rotate(zc_norm(q, self.q_scale, cfg.rms_norm_eps), cos, sin)  # [T, H, E]
+        k = rotate(zc_norm(k.view(T, g, e), self.k_scale, cfg.rms_norm_eps), cos, sin)  # [T, G, E]
+        attn = self._attend(q, k, v.view(T, g, e), at, state.k[self.slot], state.v[self.slot])  # [T, H*E]
+        return self.wo(attn * torch.sigmoid(gate))
+
+    def _attend(self, q, k, v, at: Attend, K, V) -> torch.Tensor:
+        T, h, e = q.shape
+        scale = 1.0 / math.sqrt(e)
+        if at.kind == "decode":
+            K[at.slot_index, :, at.write_rows] = k  # [T, G, E]: one row per slot
+            V[at.slot_index, :, at.write_rows] = v
+            qs = q.unsqueeze(2)  # [T, H, 1, E]
+            zero = q.new_zeros(1, h, 1, e)
+            # one call per slot over exactly its own rows, so that a row's result does not
+            # depend on its batch mates' lengths (as in decoder.Block._attend)
+            out = [F.scaled_dot_product_attention(qs[i:i + 1], K[s:s + 1, :, :n], V[s:s + 1, :, :n],
+                                                  scale=scale, enable_gqa=True) if n else zero
+                   for i, (s, n) in enumerate(zip(at.slots, at.lengths))]
+            return torch.cat(out).reshape(T, h * e)
+        (slot,) = at.slots
+        start = int(at.write_rows[0])
+        K[slot, :, start:start + T] = k.transpose(0, 1)  # [G, T, E]
+        V[slot, :, start:start + T] = v.transpose(0, 1)
+        n = start + T
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, E]
+        keys, values = K[slot:slot + 1, :, :n], V[slot:slot + 1, :, :n]
+        if start == 0:
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # row i sees keys 0..start+i
+            mask = torch.arange(n, device=q.device)[None] <= (torch.arange(T, device=q.device) + start)[:, None]
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(T, h * e)
+
+
+class LinearAttention(nn.Module):
+    """Gated DeltaNet: projections, the depthwise causal conv (kernel K) with its window, the
+    gated delta rule with per-head decay g = -exp(A_log) * softplus(a + dt_bias) and write
+    strength beta = sigmoid(b), the gated RMSNorm, out_proj."""
+
+    def __init__(self, cfg: Qwen35Config, slot: int):
+        super().__init__()
+        self.cfg, self.slot = cfg, slot  # slot: this layer's index among the linear layers
+        nk, nv, dk, dv, d = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
+                             cfg.linear_value_dim, cfg.hidden_size)
+        if nv % nk:
+            raise ValueError(f"linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}")
+        self.sizes = (cfg.conv_dim, nv * dv, nv, nv)
+        self.w_in = nn.Linear(d, sum(self.sizes), bias=False)  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+        self.conv = nn.Parameter(torch.empty(cfg.conv_dim, cfg.conv_kernel))  # [W, K]
+        self.neg_a = nn.Parameter(torch.empty(nv, dtype=torch.float32))  # -exp(A_log), float32
+        self.dt_bias = nn.Parameter(torch.empty(nv, dtype=torch.float32))
+        self.norm = nn.Parameter(torch.empty(dv))  # the gated RMSNorm's weight (not zero-centred)
+        self.out = nn.Linear(nv * dv, d, bias=False)
+
+    def forward(self, x, at: Attend, state) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        nk, nv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+        mixed, z, b, a = self.w_in(x).split(self.sizes, dim=-1)
+        conv_state, rec_state = state.conv[self.slot], state.rec[self.slot]  # [S, W, K-1], [S, nv, dk, dv]
+        if at.kind == "decode":
+            rows = at.slot_index
+            window = torch.cat((conv_state.index_select(0, rows), mixed.unsqueeze(-1)), dim=-1)  # [T, W, K]
+            conv_state.index_copy_(0, rows, window[..., 1:])
+            mixed = F.silu((window * self.conv).sum(-1))  # [T, W]
+        else:
+            (slot,) = at.slots
+            window = torch.cat((conv_state[slot], mixed.t()), dim=-1)  # [W, K-1+T]
+            conv_state[slot] = window[:, -(cfg.conv_kernel - 1):]
+            mixed = F.silu(F.conv1d(window.unsqueeze(0), self.conv.unsqueeze(1), groups=cfg.conv_dim)[0].t())
+        q, k, v = mixed.split((nk * dk, nk * dk, nv * dv), dim=-1)
+        q = gated_delta.l2norm(q.view(T, nk, dk).float()) * dk ** -0.5
+        k = gated_delta.l2norm(k.view(T, nk, dk).float())
+        if nv != nk:  # each key head serves nv/nk consecutive value heads
+            q = q.repeat_interleave(nv // nk, dim=1)
+            k = k.repeat_interleave(nv // nk, dim=1)
+        v = v.reshape(T, nv, dv).float()
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [T, nv], log-space decay <= 0
+        beta = b.sigmoid().float()
+        if at.kind == "decode" or T == 1:
+            rows = at.slot_index if at.kind == "decode" else torch.tensor(at.slots, device=x.device)
+            s = rec_state.index_select(0, rows).view(T * nv, dk, dv)
+            o = gated_delta.recurrent(q.reshape(T * nv, dk), k.reshape(T * nv, dk), v.reshape(T * nv, dv),
+                                      g.reshape(T * nv), beta.reshape(T * nv), s)
+            rec_state.index_copy_(0, rows, s.view(T, nv, dk, dv))
+            o = o.view(T, nv, dv)
+        else:
+            (slot,) = at.slots
+            o, s = gated_delta.chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       g.t().contiguous(), beta.t().contiguous(), rec_state[slot])
+            rec_state[slot] = s
+            o = o.transpose(0, 1)  # [T, nv, dv]
+        # gated RMSNorm, with transformers' casts: norm in float32, weight in the model dtype,
+        # the silu gate in float32
+        o = o.to(x.dtype).float()
+        o = self.norm * F.rms_norm(o, (dv,), eps=cfg.rms_norm_eps).to(x.dtype)
+        o = (o * F.silu(z.view(T, nv, dv).float())).to(x.dtype)
+        return self.out(o.reshape(T, nv * dv))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, index: int):
+        super().__init__()
+        self.cfg = cfg
+        self.full = cfg.layer_types[index] == "full_attention"
+        n = sum(1 for t in cfg.layer_types[:index] if t == cfg.layer_types[index])
+        self.mixer = FullAttention(cfg, n) if self.full else LinearAttention(cfg, n)
+        self.input_scale = nn.Parameter(torch.ones(cfg.hidden_size, dtype=torch.float32))
+        self.post_scale = nn.Parameter(torch.ones(cfg.hidden_size, dtype=torch.float32))
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, at: Attend, state) -> torch.Tensor:
+        h = zc_norm(x, self.input_scale, self.cfg.rms_norm_eps)
+        x = x + (self.mixer(h, cos, sin, at, state) if self.full else self.mixer(h, at, state))
+        gate, up = self.w_gate_up(zc_norm(x, self.post_scale, self.cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class Qwen35(nn.Module):
+    """The Qwen3.5 text model. `forward(ids, at, state)`: final hidden rows before the last
+    norm; `logits(hidden)`: float32 logits. See Qwen35State for what a slot holds."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm_scale = nn.Parameter(torch.ones(cfg.hidden_size, dtype=torch.float32))
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cos = self.sin = None
+
+    @staticmethod
+    def new_state(cfg: Qwen35Config, num_slots: int, rows: int, dtype: torch.dtype, device="cpu") -> Qwen35State:
+        return Qwen35State(cfg, num_slots, rows, dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def setup_rope(self, rows: int) -> None:
+        """cos and sin for positions 0..rows-1, float32 [rows, R] (forward grows them on need)."""
+        r = self.cfg.rotary_dim
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
+        freqs = torch.outer(torch.arange(rows, dtype=torch.int64).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(self.embed.weight.device), emb.sin().to(self.embed.weight.device)
+
+    def forward(self, token_ids: torch.Tensor, at: Attend, state: Qwen35State) -> torch.Tensor:
+        """token_ids [T] -> hidden [T, D] (before the final norm), advancing `state`.
+
+        Prefill form: one slot, positions start..start+T-1, where start is the slot's length
+        (continue) or 0 (a new sequence: the slot's linear state is cleared first). Decode
+        form: one row per slot, each at its slot's length or at 0; rows with length 0 are
+        padding (they run into a scratch slot and their result is meaningless). Any other
+        position raises: the recurrent state cannot go back (restore a snapshot instead)."""
+        top = state.begin(at)
+        if self.cos is None or top >= self.cos.shape[0]:
+            self.setup_rope(max(2 * top, 256))
+        x = self.embed(token_ids)
+        cos = self.cos[at.positions].to(x.dtype).unsqueeze(1)  # [T, 1, R]
+        sin = self.sin[at.positions].to(x.dtype).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, at, state)
+        state.end(at)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> float32 logits [N, V]."""
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(zc_norm(hidden, self.norm_scale, self.cfg.rms_norm_eps), w).float()
+
+
+def load_qwen35(path: Path, dtype: torch.dtype, device="cpu") -> Qwen35:
+    """A Qwen35 from a Hugging Face directory (config.json and *.safetensors), in `dtype`.
+
+    Weights are read one at a time (models/tensor_files.py) under `model.language_model.`
+    (the composite checkpoint) or `model.` (the text one); the vision tower's and the MTP
+    head's are never read. q/k/v, the four linear-layer input projections and gate/up are
+    fused into one matmul each; norm weights become float32 scales 1 + w and A_log becomes
+    -exp(A_log), both from the `dtype`-rounded weights, as transformers computes them."""
+    from caldrix.models.tensor_files import TensorFiles
+
+    path = Path(path)
+    cfg = Qwen35Config.from_dir(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    ours: dict[str, torch.Tensor] = {}
+    with TensorFiles(files) as hf:
+        prefix = next((p for p in ("model.language_model.", "model.", "") if p + "embed_tokens.weight" in hf), None)
+        if prefix is None:
+            raise KeyError(f"no embed_tokens.weight in {path}")
+
+        def take(name: str, head: str = prefix) -> torch.Tensor:
+            if head + name not in hf:
+                raise KeyError(f"weight {head + name} missing from {path}")
+            return hf.get(head + name).to(dtype)
+
+        def scale(name: str) -> torch.Tensor:
+            return 1.0 + take(name).float()
+
+        ours["embed.weight"] = take("embed_tokens.weight")
+        ours["norm_scale"] = scale("norm.weight")
+        if not cfg.tie_embeddings:
+            ours["lm_head.weight"] = take("lm_head.weight", "")
+        for i, kind in enumerate(cfg.layer_types):
+            p, m, o = f"layers.{i}.", f"layers.{i}.mlp.", f"layers.{i}.mixer."
+            ours[p + "input_scale"] = scale(p + "input_layernorm.weight")
+            ours[p + "post_scale"] = scale(p + "post_attention_layernorm.weight")
+            ours[p + "w_gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+            ours[p + "w_down.weight"] = take(m + "down_proj.weight")
+            if kind == "full_attention":
+                a = p + "self_attn."
+                for part in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                    ours[o + "wqkv." + part] = torch.cat([take(f"{a}{n}_proj.{part}") for n in "qkv"])
+                    ours[o + "wo." + part] = take(f"{a}o_proj.{part}")
+                ours[o + "q_scale"] = scale(a + "q_norm.weight")
+                ours[o + "k_scale"] = scale(a + "k_norm.weight")
+            else:
+                a = p + "linear_attn."
+                ours[o + "w_in.weight"] = torch.cat([take(a + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])
+                ours[o + "conv"] = take(a + "conv1d.weight").squeeze(1)  # [W, 1, K] -> [W, K]
+                ours[o + "neg_a"] = -take(a + "A_log").float().exp()
+                ours[o + "dt_bias"] = take(a + "dt_bias").float()
+                ours[o + "norm"] = take(a + "norm.weight")
+                ours[o + "out.weight"] = take(a + "out_proj.weight")
+    with torch.device("meta"):
+        model = Qwen35(cfg)
+    missing, unexpected = model.load_state_dict(ours, strict=False, assign=True)
+    if missing or unexpected:
+        raise RuntimeError(f"loading {path}: unexpected weights {sorted(unexpected)[:3]}, missing {sorted(missing)[:3]}")
+    return model.to(device).eval().requires_grad_(False)
