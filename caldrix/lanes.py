@@ -59,11 +59,12 @@ def sampler_name(lane: str, max_batch: int, sampler: str) -> str:
     return "device" if uses_device_pick(lane, max_batch, sampler) else "cpu"
 
 
-def settle_flags(args: argparse.Namespace, seen: Callable[[], str | None] = gpu_seen) -> str | None:
-    """Resolve the lane-dependent defaults of serve/run in place (max_batch, sampler) and return
-    what is wrong with --sampler or --weight-budget for the lane, naming the flag; None if
-    nothing. `seen` is called only for --backend auto (tests inject a fake GPU)."""
-    lane = resolve_lane(args.backend, seen() if args.backend == "auto" else None)
+def settle_flags(args: argparse.Namespace, seen: Callable[[], str | None] | None = None) -> str | None:
+    """Resolve the lane-dependent defaults of serve/run in place (max_batch, sampler; args.lane
+    is set too) and return what is wrong with --sampler or --weight-budget for the lane, naming
+    the flag; None if nothing. `seen` (default gpu_seen) is called only for --backend auto."""
+    probe = seen or gpu_seen
+    lane = resolve_lane(args.backend, probe() if args.backend == "auto" else None)
     args.lane = lane
     if args.max_batch is None:
         args.max_batch = default_max_batch(lane)
