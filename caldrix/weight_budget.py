@@ -304,3 +304,31 @@ class LayerStreamer:
         if len(self.slots) == 1:  # one slot: the next copy can only follow this compute
             k = self.order.index(i)
             self._queue(self.order[(k + 1) % len(self.order)])
+
+
+def attach(blocks: Sequence[torch.nn.Module], streamer: LayerStreamer, device) -> list:
+    """Stream `blocks` (the model's decoder layers, in run order) through `streamer`: each
+    streamed block's parameters are emptied on the device, and forward hooks point them at the
+    slot views before the block runs and free the slot after. Returns the hook handles. For
+    any torch module whose layers run in index order once per pass."""
+    handles = []
+    for i in streamer.order:
+        for prm in blocks[i].parameters():
+            prm.data = torch.empty(0, dtype=prm.dtype, device=device)
+
+    def pre(i):
+        def hook(module, args):
+            got = streamer.enter(i)
+            for name, view in (got or {}).items():
+                module.get_parameter(name).data = view
+        return hook
+
+    def post(i):
+        def hook(module, args, output):
+            streamer.leave(i)
+        return hook
+
+    for i in streamer.order:
+        handles.append(blocks[i].register_forward_pre_hook(pre(i)))
+        handles.append(blocks[i].register_forward_hook(post(i)))
+    return handles

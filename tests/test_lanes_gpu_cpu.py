@@ -300,6 +300,39 @@ def test_streamer_passes_with_fakes():
         st_.enter(p.streamed[1])
 
 
+def test_streamed_transformers_model_gives_the_same_greedy_tokens():
+    """attach() on transformers' llama with the fake copies: the hooks point each streamed
+    layer at its slot's views, and greedy decoding is unchanged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from caldrix.weight_budget import attach
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, initializer_range=0.2)
+    ref = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    fixed, layers = split_sizes(model.named_parameters())
+    p = plan(fixed + sum(layers) - 2 * layers[0], fixed, layers)
+    assert len(p.streamed) == 4
+    ops = FakeOps()
+    streamer = LayerStreamer(p, lambda i: {k: t.detach() for k, t in model.model.layers[i].named_parameters()}, ops)
+    attach(model.model.layers, streamer, "cpu")
+    assert all(t.numel() == 0 for i in p.streamed for t in model.model.layers[i].parameters())
+
+    def greedy(m, n=12):
+        ids = torch.tensor([[3, 17, 99, 4]])
+        with torch.inference_mode():
+            for _ in range(n):
+                nxt = m(input_ids=ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+        return ids[0].tolist()
+
+    assert greedy(model) == greedy(ref)
+    assert sum(e[0] == "copy" for e in ops.log) == 12 * 4 + 1  # every pass streamed every layer
+
+
 # --- bench/gpu_check.py ------------------------------------------------------------------
 
 
