@@ -41,7 +41,10 @@ class Runtime:
                                 max_batch=self.cfg.max_batch, prefill_chunk=self.cfg.prefill_chunk,
                                 context=getattr(self.engine, "context", None),
                                 vocab_size=getattr(self.engine, "vocab_size", None),
-                                sampler=sampler_name(self.lane, self.cfg.max_batch, self.cfg.sampler))
+                                # what picks, not what was asked: an engine that makes the device
+                                # pick says so (picks_on_device); until then every pick is the CPU's
+                                sampler=sampler_name(self.lane, self.cfg.max_batch, self.cfg.sampler)
+                                if getattr(self.engine, "picks_on_device", False) else "cpu")
 
     @property
     def context(self) -> int:
