@@ -19,6 +19,7 @@ import sys
 from caldrix import __version__
 from caldrix.batch import MAX_DRAFT_TOKENS
 from caldrix.config import DEFAULT_PORT, FlagError, ServeConfig
+from caldrix.lanes import settle_flags
 from caldrix.protocol import SamplingParams
 
 
@@ -70,11 +71,22 @@ def check_speculation(args: argparse.Namespace) -> str | None:
     if mode == "ngram" and args.max_batch > 1:
         return (f"--speculate ngram: speculation decodes single-stream and this server is batched "
                 f"(--max-batch {args.max_batch}); restart with --max-batch 1")
+    if mode == "ngram" and getattr(args, "weight_budget", None) is not None:
+        return "--speculate ngram: refused with --weight-budget, which streams layers from host memory each pass"
     if mode == "off":
         for flag, value in (("--draft-tokens", args.draft_tokens), ("--ngram", args.ngram)):
             if value is not None:
                 return f"{flag}: has no effect without --speculate ngram or auto"
     return None
+
+
+def _bytes(text: str) -> int:
+    from caldrix.weight_budget import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _float_in(test, what: str):
@@ -100,7 +112,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: a GGUF's Q4_1 blocks stay 4-bit on the cpu lane (bfloat16, or float32 on AVX2 CPUs); dense: dequantized")
     g.add_argument("--context", type=_int_at_least(16), default=None,
                    help="KV rows per sequence (default: the model's maximum, capped at 8192)")
-    g.add_argument("--max-batch", type=_int_at_least(1), default=1, help="sequences per forward pass (default 1)")
+    g.add_argument("--max-batch", type=_int_at_least(1), default=None,
+                   help="sequences per forward pass (default 1; 8 on the AMD lane, --backend hip)")
+    g.add_argument("--sampler", choices=["device", "host"], default=None,
+                   help="where sampled tokens are picked: device (the default on the GPU lanes; the AMD lane's "
+                        "batched device pick) or host (the CPU pick of run.md)")
+    g.add_argument("--weight-budget", type=_bytes, default=None, metavar="BYTES",
+                   help="GPU lanes: bytes of weights kept on the device (e.g. 2GiB); the other layers stream "
+                        "from pinned host memory each pass")
     g.add_argument("--prefill-chunk", type=_int_at_least(1), default=128,
                    help="prompt tokens per prefill chunk and per prefill step (default 128)")
     g.add_argument("--served-name", default=None, help="the model name the server answers to")
@@ -166,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace, model: str | None) -> ServeConfig:
+    if args.max_batch is None or args.sampler is None:  # not settled by main(): the lane's defaults
+        settle_flags(args)
     seed = None if args.seed in (None, -1) else args.seed
     return ServeConfig(
         model=model,
@@ -195,6 +216,8 @@ def config_from(args: argparse.Namespace, model: str | None) -> ServeConfig:
         draft_tokens=args.draft_tokens,
         ngram=args.ngram or (2, 4),
         speculation_memory=args.speculation_memory,
+        sampler=args.sampler,
+        weight_budget=args.weight_budget,
     )
 
 
@@ -205,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from caldrix.models.source import ModelNotFound
 
     if args.command in ("serve", "run"):
-        wrong = check_speculation(args)
+        wrong = settle_flags(args) or check_speculation(args)
         if wrong:
             parser.error(wrong)
     try:

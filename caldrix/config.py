@@ -23,7 +23,7 @@ class ServeConfig:
     dtype: str = "auto"
     weights: str = "auto"  # auto: keep a GGUF's Q4_1 blocks 4-bit where the engine can; dense
     context: int | None = None  # None: the model's maximum, capped at 8192
-    max_batch: int = 1
+    max_batch: int = 1  # the CLI resolves its default from the lane (lanes.default_max_batch)
     queue_depth: int = 64
     # The server's sampling defaults; seed None draws fresh entropy per request.
     sampling: SamplingParams = SamplingParams()
@@ -38,3 +38,6 @@ class ServeConfig:
     draft_tokens: int | None = None  # None: tuned live
     ngram: tuple[int, int] = (2, 4)
     speculation_memory: str | None = None
+    # The GPU lanes (lanes.py): where sampled tokens are picked, and --weight-budget in bytes.
+    sampler: str = "device"  # device | host; the device pick runs only where lanes.uses_device_pick
+    weight_budget: int | None = None

@@ -9,7 +9,8 @@ from typing import Callable
 
 import attrs
 
-from caldrix.config import ServeConfig
+from caldrix.config import FlagError, ServeConfig
+from caldrix.lanes import GPU_LANES, architecture_of, device_facts, device_line, lane_refusal, sampler_name
 from caldrix.sched.loop import Scheduler
 from caldrix.telemetry import Telemetry
 
@@ -39,7 +40,11 @@ class Runtime:
         return Telemetry.create(self.served_name, self.cfg.replay_ring, lane=self.lane, dtype=self.dtype_name,
                                 max_batch=self.cfg.max_batch, prefill_chunk=self.cfg.prefill_chunk,
                                 context=getattr(self.engine, "context", None),
-                                vocab_size=getattr(self.engine, "vocab_size", None))
+                                vocab_size=getattr(self.engine, "vocab_size", None),
+                                # what picks, not what was asked: an engine that makes the device
+                                # pick says so (picks_on_device); until then every pick is the CPU's
+                                sampler=sampler_name(self.lane, self.cfg.max_batch, self.cfg.sampler)
+                                if getattr(self.engine, "picks_on_device", False) else "cpu")
 
     @property
     def context(self) -> int:
@@ -54,6 +59,8 @@ class Runtime:
         cfg = self.cfg
         say(f"caldrix: model {self.served_name} ({self.origin})")
         say(f"caldrix: lane {self.lane}")
+        if self.lane in GPU_LANES:
+            say(device_line(self.lane, *device_facts()))
         int4 = getattr(self.engine, "int4_layers", 0)
         weights = f", {int4} projections kept as 4-bit GGUF blocks" if int4 else ""
         if getattr(self.engine, "int4_head", False):
@@ -109,6 +116,13 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
 
     src = resolve(cfg.model)
     lane = pick_lane(cfg.backend)
+    refused = lane_refusal(architecture_of(src.path), lane)
+    if refused is None and cfg.weight_budget is not None:
+        from caldrix.weight_budget import not_wired
+
+        refused = not_wired(cfg.weight_budget, src.path)
+    if refused is not None:
+        raise FlagError(refused)
     device = {"cpu": "cpu", "host": "cpu", "cuda": "cuda", "hip": "cuda"}[lane]
     dtype = resolve_dtype(cfg.dtype, device)
     if lane == "host":
@@ -188,7 +202,11 @@ def resolve_speculation(cfg: ServeConfig, lane: str, engine) -> tuple[object, tu
     elif cfg.speculate == "auto" and cfg.speculation_memory:
         notes.append("--speculation-memory holds a draft model's state: neither read nor written under n-gram lookup")
     why = None
-    if cfg.max_batch > 1:
+    if cfg.weight_budget is not None:
+        from caldrix.weight_budget import speculation_refusal
+
+        why = speculation_refusal(cfg.weight_budget)
+    elif cfg.max_batch > 1:
         why = f"the server is batched (--max-batch {cfg.max_batch}); speculation decodes single-stream"
     elif not hasattr(engine, "check_verify"):
         why = f"the {lane} lane runs the transformers reference, which has no verify pass"

@@ -82,6 +82,7 @@ class RequestRecord:
     stream: bool
     blocks: tuple[str, ...]  # block_digests of the prompt: in the trace, not in /debug/requests
     speculative: tuple[int, int] | None = None  # (proposed, accepted) guesses; None: did not speculate
+    sampler: str = "cpu"  # the pick of sampled tokens: "cpu" (run.md) or "device" (the AMD lane's)
 
     def to_json(self) -> dict:
         """The /debug/requests form: everything but the digests."""
@@ -100,6 +101,7 @@ class RequestRecord:
             "batch_sizes": [list(p) for p in self.batch_sizes],
             "stream": self.stream,
             "speculative": _spec_json(self.speculative),
+            "sampler": self.sampler,
         }
 
     def trace_json(self, t0: float) -> dict:
@@ -157,6 +159,7 @@ class _SchedHalf:
     batch_sizes: tuple[tuple[int, int], ...]
     blocks: tuple[str, ...]
     speculative: tuple[int, int] | None
+    sampler: str
 
 
 @attrs.frozen
@@ -183,13 +186,14 @@ class Telemetry:
     block_tokens: int = BLOCK_TOKENS
     header: dict = attrs.Factory(dict)  # facts about the server for the trace's first line
     pending_max: int = 4096  # halves waiting for their partner; the oldest is completed as is
+    sampler: str = "cpu"  # which pick this server's sampled tokens go through (lanes.sampler_name)
     _pending: collections.OrderedDict = attrs.Factory(collections.OrderedDict)
 
     @classmethod
-    def create(cls, model_name: str, ring_size: int, **header) -> "Telemetry":
+    def create(cls, model_name: str, ring_size: int, sampler: str = "cpu", **header) -> "Telemetry":
         return cls(Metrics(model_name), collections.deque(maxlen=ring_size),
-                   header={"served_name": model_name, **header},
-                   pending_max=max(1024, 4 * ring_size))
+                   header={"served_name": model_name, "sampler": sampler, **header},
+                   pending_max=max(1024, 4 * ring_size), sampler=sampler)
 
     # --- the scheduler's half -------------------------------------------------------------
 
@@ -237,6 +241,7 @@ class Telemetry:
             batch_sizes=_batch_histogram(seq.batch_sizes) if captured else (),
             blocks=block_digests(sub.prompt_ids, self.salt, self.block_tokens) if captured else (),
             speculative=(seq.proposed, seq.accepted) if seq.speculating else None,
+            sampler=self.sampler,
         )
         other = self._pending.pop(sub.request_id, None)
         if isinstance(other, _RouteHalf):
@@ -263,6 +268,7 @@ class Telemetry:
             queued=None, first_token=None, end=None, prompt_tokens=len(prompt_ids), completion_tokens=0,
             max_tokens=max_tokens, sampling=sampling, prefix_rows=0, batch_sizes=(), stream=stream,
             blocks=block_digests(prompt_ids, self.salt, self.block_tokens) if captured else (),
+            sampler=self.sampler,
         )
         if captured:
             self.ring.append(rec)
@@ -301,7 +307,7 @@ class Telemetry:
             arrived=s.arrived, queued=s.queued, first_token=s.first_token, end=s.end,
             prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, max_tokens=s.max_tokens,
             sampling=s.sampling, prefix_rows=s.prefix_rows, batch_sizes=s.batch_sizes,
-            stream=r.stream if r else False, blocks=s.blocks, speculative=s.speculative,
+            stream=r.stream if r else False, blocks=s.blocks, speculative=s.speculative, sampler=s.sampler,
         )
         if s.captured:
             self.ring.append(rec)

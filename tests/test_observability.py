@@ -33,7 +33,7 @@ TRACES = sorted((ROOT / "traces").glob("*.jsonl"))
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 RECORD_KEYS = {"id", "route", "status", "finish_reason", "arrived", "timings", "prompt_tokens", "completion_tokens",
                "max_tokens", "sampling", "prefix_rows", "batch_sizes", "stream",
-               "speculative"}
+               "speculative", "sampler"}
 TRACE_KEYS = {"arrival", "id", "route", "status", "finish_reason", "prompt_tokens", "completion_tokens", "max_tokens",
               "sampling", "stream", "blocks", "prefix_rows", "timings"}
 
