@@ -16,9 +16,14 @@ tokens per second, or none at all when a plain step is expected to yield more.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 
 from caldrix.batch import MAX_DRAFT_TOKENS
+
+if TYPE_CHECKING:
+    from caldrix.sched.spec_memory import TunerState
 
 
 @attrs.frozen
@@ -130,6 +135,17 @@ class DraftTuner:
         guesses."""
         self._kept = DECAY * self._kept + kept
         self._missed = DECAY * self._missed + (not kept)
+
+    def state(self) -> "TunerState":
+        """What the tuner has learned, for --speculation-memory (sched/spec_memory.py)."""
+        from caldrix.sched.spec_memory import TunerState
+
+        return TunerState(self._kept, self._missed, tuple(sorted(self._seconds.items())))
+
+    def restore(self, state: "TunerState") -> None:
+        """Start from a state kept by an earlier run (the totals start at zero)."""
+        self._kept, self._missed = state.kept, state.missed
+        self._seconds = dict(state.seconds)
 
     def timed(self, rows: int, seconds: float) -> None:
         """A decode or verify pass of `rows` rows took `seconds`."""
