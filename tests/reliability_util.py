@@ -226,7 +226,7 @@ def record(key: str, value) -> None:
 # --- the model ---------------------------------------------------------------------------------
 
 def tiny_smol(base: Path, smollm2_dir: Path) -> Path:
-    """A tiny random llama (fixed seed, 2 layers of width 64) with SmolLM2's tokenizer and chat
+    """A tiny random llama (fixed seed, 2 layers of width 64, weights drawn wide enough that greedy replies vary token to token) with SmolLM2's tokenizer and chat
     template, so the server speaks real text but a step costs about a millisecond. Built once per
     test session under `base`."""
     import shutil
@@ -242,7 +242,7 @@ def tiny_smol(base: Path, smollm2_dir: Path) -> Path:
     cfg = LlamaConfig(vocab_size=src["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                       bos_token_id=src.get("bos_token_id"), eos_token_id=src.get("eos_token_id"),
-                      tie_word_embeddings=True, rope_theta=10000.0)
+                      tie_word_embeddings=True, rope_theta=10000.0, initializer_range=0.3)
     tmp = base / "tiny-smol.partial"
     LlamaForCausalLM(cfg).eval().save_pretrained(tmp)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
