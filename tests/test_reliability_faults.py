@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from reliability_util import metric, record, reference, tiny_smol
+from reliability_util import record, reference, tiny_smol
 from server_harness import ServerProcess
 
 TIMEOUT = httpx.Timeout(120.0)
@@ -59,7 +59,10 @@ def test_429_carries_retry_after_and_openai_retries_succeed(model_dir):
                 resp.close()
                 client.close()
 
-        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=12, timeout=120)
+        seen: list[int] = []  # every status the client got, retries included
+        hooks = {"response": [lambda resp: seen.append(resp.status_code)]}
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=12, timeout=120,
+                            http_client=httpx.Client(timeout=TIMEOUT, event_hooks=hooks))
         results: list = [None] * 6
 
         def ask(i: int) -> None:
@@ -67,17 +70,20 @@ def test_429_carries_retry_after_and_openai_retries_succeed(model_dir):
                                        extra_body={"ignore_eos": True, "return_token_ids": True})
             results[i] = c.model_extra.get("token_ids") or c.choices[0].model_extra.get("token_ids")
 
-        before = metric(http.get("/metrics").text, "requests_rejected_total")
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(300)
-        rejected = metric(http.get("/metrics").text, "requests_rejected_total") - before
+        rejected = seen.count(429)
+        served = re.search(r'^caldrix:requests_rejected_total\{[^}]*reason="queue_full"[^}]*\} (\S+)',
+                           http.get("/metrics").text, re.M)
         oai.close()
         record("queue_full", {"clients": 6, "queue_depth": 1, "max_batch": 1, "429s_retried": int(rejected),
                               "succeeded": sum(r is not None for r in results), "retry_after_s": seconds})
-        assert rejected >= 1, "no request met a full queue: the retries were not exercised"
+        assert rejected >= 1, f"no request met a full queue: the retries were not exercised ({seen})"
+        assert served and float(served.group(1)) >= rejected + 1  # the server counted them too (+ the probe)
+        assert seen.count(200) == 6 and set(seen) <= {200, 429}, seen
         assert results == [alone] * 6, results
 
 
