@@ -82,7 +82,7 @@ def test_openapi_is_served_for_this_model(http, model_dir):
     assert body["properties"]["prompt"]["anyOf"][1]["items"]["maximum"] == vocab - 1
 
 
-def test_schemathesis_positive_and_negative(server, http, refs, model_dir):
+def test_schemathesis_positive_and_negative(server, http, refs, model_dir, tmp_path):
     seed = int(os.environ.get("CALDRIX_SCHEMATHESIS_SEED", random.randrange(1 << 31)))
     print(f"schemathesis seed {seed} (rerun with CALDRIX_SCHEMATHESIS_SEED={seed})")
     st = Path(sys.executable).with_name("schemathesis")
@@ -93,7 +93,7 @@ def test_schemathesis_positive_and_negative(server, http, refs, model_dir):
            "--request-timeout", "60", "--no-shrink", "--no-color", "--generation-database", "none",
            "--suppress-health-check", "all"]
     for attempt in range(2):
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)  # its files go there
         out = run.stdout + run.stderr
         # A CPython 3.11 bug inside hypothesis's repr of its own strategies (ast.parse deep in the
         # stack) sometimes ends a run with a "Runtime Error" that is no finding about the server:
@@ -289,8 +289,10 @@ def test_no_prompt_or_reply_text_reaches_logs_or_telemetry(server, http, model_d
     model = model_dir.name
     prompt = f"{MARKER} Repeat after me: {MARKER} {MARKER}"
     bodies = [
-        ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 16, "stop": [MARKER[:8]]}),
-        ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 16, "stream": True, "user": MARKER}),
+        ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 16, "stop": [MARKER[:8]],
+                             "ignore_eos": True}),
+        ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 16, "stream": True, "user": MARKER,
+                             "ignore_eos": True}),
         ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16}),
         ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 16, "top_p": MARKER}),  # a 400
         ("/v1/completions", {"model": MARKER, "prompt": prompt}),  # a 400 naming the model
@@ -304,11 +306,25 @@ def test_no_prompt_or_reply_text_reaches_logs_or_telemetry(server, http, model_d
     # The marker appears in some reply (the model repeats it), so a leak of reply text would show too.
     surfaces = {"log": server.stderr, "/debug/requests": http.get("/debug/requests").text,
                 "/debug/trace": http.get("/debug/trace").text, "/metrics": http.get("/metrics").text}
+    # And the replies' own text: every 200's generated text of 8 characters or more.
+    said = [t for t in (_reply_text(r) for r in replies) if len(t.strip()) >= 8]
+    assert said, "no reply text to look for"
     for name, text in surfaces.items():
-        for piece in (MARKER, MARKER[:8], "Repeat after me"):
+        for piece in (MARKER, MARKER[:8], "Repeat after me", *said):
             assert piece not in text, f"{piece!r} found in {name}"
     assert "caldrix: warning" not in server.stderr  # the default bind is loopback: no exposure warning
     record("marker_hunt", {"requests": len(bodies), "surfaces": sorted(surfaces), "found": 0})
+
+
+def _reply_text(raw: str) -> str:
+    if raw.startswith("data: "):  # a stream: join its text pieces
+        return "".join(json.loads(ln[6:])["choices"][0].get("text", "") for ln in raw.splitlines()
+                       if ln.startswith("data: {") and '"choices":[{' in ln)
+    obj = json.loads(raw)
+    if "choices" not in obj:
+        return ""
+    choice = obj["choices"][0]
+    return choice.get("text") or choice.get("message", {}).get("content", "")
 
 
 # --- SIGTERM under load (last: it stops the server) ---------------------------------------------
