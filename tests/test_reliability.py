@@ -80,6 +80,35 @@ def test_openapi_is_served_for_this_model(http, model_dir):
     assert body["properties"]["model"]["enum"] == [model_dir.name]
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     assert body["properties"]["prompt"]["anyOf"][1]["items"]["maximum"] == vocab - 1
+    # Real replies against the document's response schemas, streamed events included.
+    model = model_dir.name
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    cases = [("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "return_token_ids": True}),
+             ("/v1/chat/completions", chat), ("/v1/completions", {"model": model, "prompt": 7})]
+    for path, b in cases:
+        for stream in (False, True):
+            r = http.post(path, json={**b, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})})
+            resp = doc["paths"][path]["post"]["responses"][str(r.status_code)]
+            media = r.headers["content-type"].split(";")[0]
+            schema = resp["content"][media]["schema"]
+            if media == "text/event-stream":
+                event = schema["properties"]["data"]["anyOf"]
+                datas = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+                assert datas[-1] == "[DONE]" and len(datas) > 2
+                for d in datas[:-1]:
+                    _valid(event[1]["contentSchema"], json.loads(d), doc)
+            else:
+                _valid(schema, r.json(), doc)
+    _valid(doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"],
+           http.get("/v1/models").json(), doc)
+
+
+def _valid(schema: dict, value, doc: dict) -> None:
+    import jsonschema_rs
+
+    full = {**schema, "components": doc["components"]}
+    errors = [str(e) for e in jsonschema_rs.Draft202012Validator(full).iter_errors(value)]
+    assert not errors, (errors, value)
 
 
 def test_schemathesis_positive_and_negative(server, http, refs, model_dir, tmp_path):

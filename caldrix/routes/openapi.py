@@ -94,8 +94,25 @@ _CHAT_REPLY = _reply("chat.completion", {
     "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "token_ids": _TOKEN_IDS,
                    "message": {"type": "object", "required": ["role", "content"],
                                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}})
-_SSE = {"text/event-stream": {"schema": {"type": "string",
-                                         "description": "data: <chunk JSON> events, then data: [DONE]"}}}
+_CHUNK = {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+          "properties": {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
+                         "object": {"enum": ["text_completion", "chat.completion.chunk"]}, "usage": _USAGE,
+                         "choices": {"type": "array", "maxItems": 1, "items": {
+                             "type": "object", "required": ["index", "finish_reason"],
+                             "properties": {"index": {"const": 0}, "finish_reason": {"enum": [None, "stop", "length"]},
+                                            "text": {"type": "string"}, "token_ids": _TOKEN_IDS,
+                                            "delta": {"type": "object",
+                                                      "properties": {"content": {"type": "string"}}}}}}}}
+# OpenAPI 3.1 has a text/event-stream `schema` describe one event: its data is a chunk, the error
+# object (a failure after the 200 went out), or the closing [DONE].
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "description": "data: <chunk JSON> events, then data: [DONE]",
+    "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [_CHUNK, ERROR]}},
+    ]}},
+}}}
 
 
 def _generating(reply: dict[str, Any]) -> Callable[[ModelLimits], dict[str, Any]]:
