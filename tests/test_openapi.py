@@ -109,16 +109,59 @@ _message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "de
                                   "content": st.one_of(st.text(max_size=5), _value)})
 
 
+# Values at and just past each field's limits, so accepted bodies are common and the limits meet
+# the document from both sides.
+_EDGES: dict[str, list] = {
+    "max_tokens": [1, 0, 10**30, -1, 1.0], "max_completion_tokens": [1, 0, 7, 2.5],
+    "stop": [[], ["a"] * 4, ["a"] * 5, "é" * 128, "é" * 129, "x" * 256, "x" * 257, [""], "", [1]],
+    "stream": [True, False, 0, "true"], "ignore_eos": [True, 1], "return_token_ids": [False, "no"],
+    "stream_options": [{"include_usage": True}, {}, {"include_usage": 1}, {"x": True}, []],
+    "user": ["u", 3], "temperature": [0, 0.0, 2, -1e-9, 1e308, 10**400, "1"],
+    "top_k": [-1, 0, 5, -2, 1.5], "top_p": [1, 1e-9, 0, 1.0000001, True], "min_p": [0, 1, -0.1, 1.1],
+    "repetition_penalty": [1e-9, 0, -1, 3], "seed": [-1, 0, 2**64 - 1, 2**64, -2, 1.0],
+    "n": [1, 1.0, 2, True], "presence_penalty": [0, 0.0, 0.5], "frequency_penalty": [0, -0.1],
+    "top_logprobs": [0, 1], "best_of": [1, 2], "logprobs": [False, 0, True, 1],
+    "logit_bias": [{}, {"1": 2}], "tools": [[], [{}]], "tool_choice": ["none", "auto"],
+    "response_format": [{"type": "text"}, {"type": "json_object"}, {"type": "text", "x": 1}],
+    "prompt": ["hi", "", [1, 99], [100], [-1], [["a"]], ["a"], ["a", "b"], [[1, 2]], [[]], [True], []],
+    "messages": [[{"role": "user", "content": "hi"}], [], [{"role": "tool", "content": "x"}],
+                 [{"role": "developer", "content": [{"type": "text", "text": "a"}]}],
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                 [{"role": "user", "content": "<image>"}], [{"role": "user"}], [{"role": "user", "content": None}],
+                 [{"role": "user", "content": "x"}] * 256, [{"role": "user", "content": "x"}] * 257],
+}
+
+
+_VALID: dict[str, list] = {  # accepted values, at the limits where a field has them
+    "max_tokens": [1, 10**30], "max_completion_tokens": [1], "stop": [[], ["a"] * 4, "é" * 128, "x" * 256],
+    "stream": [True, False], "ignore_eos": [True], "return_token_ids": [False, True], "user": ["u"],
+    "temperature": [0, 1e308], "top_k": [-1, 0, 5], "top_p": [1, 1e-9], "min_p": [0, 1],
+    "repetition_penalty": [1e-9, 3], "seed": [-1, 0, 2**64 - 1], "n": [1, 1.0], "presence_penalty": [0.0],
+    "frequency_penalty": [0], "top_logprobs": [0], "best_of": [1], "logprobs": [False, 0], "logit_bias": [{}],
+    "tools": [[]], "tool_choice": ["none"], "response_format": [{"type": "text"}],
+    "prompt": ["hi", [1, 99], ["a"], [[1, 2]]],
+    "messages": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "x"}] * 256,
+                 [{"role": "developer", "content": [{"type": "text", "text": "a"}]}]],
+}
+
+
 @st.composite
 def _bodies(draw):
-    body = {"model": draw(st.sampled_from(["m", "m", "other", 1]))}
-    for name in draw(st.lists(st.sampled_from(_NAMES), max_size=6, unique=True)):
-        body[name] = draw(_value)
-    if draw(st.booleans()):
-        body["prompt"] = draw(st.one_of(st.text(max_size=3), st.lists(st.integers(-2, 101), max_size=3),
-                                        st.lists(st.lists(st.integers(0, 120), max_size=2), max_size=2)))
-    if draw(st.booleans()):
-        body["messages"] = draw(st.lists(_message, max_size=3))
+    """Mostly bodies one value away from accepted: each field takes an accepted value four times
+    in five, else a value at or past its limit, null, or arbitrary JSON."""
+    def value(name):
+        if name in _VALID and draw(st.integers(0, 4)):
+            return draw(st.sampled_from(_VALID[name]))
+        return draw(st.one_of(st.sampled_from(_EDGES.get(name, [None])), st.none(), _value))
+
+    body = {"model": draw(st.sampled_from(["m"] * 8 + ["other", 1]))}
+    for name in draw(st.lists(st.sampled_from(_NAMES), max_size=5, unique=True)):
+        body[name] = value(name)
+    if "stream_options" in body and body["stream_options"] is not None and draw(st.booleans()):
+        body["stream"] = True
+    for name in ("prompt", "messages"):
+        if draw(st.booleans()):
+            body[name] = value(name)
     return body
 
 
