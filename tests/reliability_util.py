@@ -177,6 +177,34 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def dribble(port: int, data: bytes, seconds: float, sent: list, out: list) -> None:
+    """Send `data` a byte at a time over `seconds`; put the reply's first bytes in out[0]."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        for i in range(len(data)):
+            s.sendall(data[i:i + 1])
+            sent[0] = i + 1
+            time.sleep(seconds / len(data))
+        s.settimeout(60)
+        out.append(s.recv(65536))
+
+
+def dribble_body(port, head, payload, seconds, sent, out) -> None:
+    """Send `head` at once and `payload` a byte at a time over `seconds`; the reply goes in out[0]."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(head)
+        for i in range(len(payload)):
+            s.sendall(payload[i:i + 1])
+            sent[0] = i + 1
+            time.sleep(seconds / len(payload))
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            b = s.recv(65536)
+            if not b:
+                break
+            data += b
+        out.append(data)
+
+
 def raw_request(port: int, data: bytes, *, timeout: float = 30.0) -> bytes:
     """Send raw bytes on a fresh connection; return everything the server sends until it closes
     or `timeout` passes."""

@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 from reliability_util import (
-    metric, plan, raw_request, record, reference, rss_bytes, run_load, status_of, tiny_smol, wait_idle,
+    dribble, dribble_body, metric, plan, raw_request, record, reference, rss_bytes, run_load, status_of, tiny_smol,
+    wait_idle,
 )
 from server_harness import ServerProcess
 
@@ -211,16 +212,6 @@ def test_load_with_disconnects(server, http, refs, model_dir):
 
 # --- slow and hostile clients --------------------------------------------------------------------
 
-def _dribble(port: int, data: bytes, seconds: float, sent: list, out: list) -> None:
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        for i in range(len(data)):
-            s.sendall(data[i:i + 1])
-            sent[0] = i + 1
-            time.sleep(seconds / len(data))
-        s.settimeout(60)
-        out.append(s.recv(65536))
-
-
 def test_byte_at_a_time_clients_hold_up_no_one(server, http, refs, model_dir):
     model = model_dir.name
     payload = json.dumps({"model": model, "prompt": PROMPTS[0], "max_tokens": CAPS[-1], "ignore_eos": True,
@@ -230,9 +221,9 @@ def test_byte_at_a_time_clients_hold_up_no_one(server, http, refs, model_dir):
     slow_head_sent, slow_body_sent = [0], [0]
     outs_head: list = []
     outs_body: list = []
-    t_head = threading.Thread(target=_dribble, args=(server.port, head + payload, 6.0, slow_head_sent, outs_head))
+    t_head = threading.Thread(target=dribble, args=(server.port, head + payload, 6.0, slow_head_sent, outs_head))
     # The body one: headers at once, then the body a byte at a time.
-    t_body = threading.Thread(target=lambda: _dribble_body(server.port, head, payload, 6.0, slow_body_sent, outs_body))
+    t_body = threading.Thread(target=lambda: dribble_body(server.port, head, payload, 6.0, slow_body_sent, outs_body))
     t_head.start()
     t_body.start()
     time.sleep(0.5)
@@ -247,22 +238,6 @@ def test_byte_at_a_time_clients_hold_up_no_one(server, http, refs, model_dir):
     for out in (outs_head, outs_body):
         assert out and status_of(out[0]) == 200, out
     record("slow_clients", {"fast_requests_seconds": round(fast, 2), "dribble_seconds": 6.0})
-
-
-def _dribble_body(port, head, payload, seconds, sent, out) -> None:
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        s.sendall(head)
-        for i in range(len(payload)):
-            s.sendall(payload[i:i + 1])
-            sent[0] = i + 1
-            time.sleep(seconds / len(payload))
-        data = b""
-        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
-            b = s.recv(65536)
-            if not b:
-                break
-            data += b
-        out.append(data)
 
 
 def test_a_stream_nobody_reads_holds_up_no_one(server, http, refs, model_dir):
