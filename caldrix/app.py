@@ -23,11 +23,13 @@ def json_response(obj: dict, status: int = 200) -> Response:
 
 
 def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status)
+    resp = json_response(err.body(), err.status)
+    resp.headers.update(err.headers)
+    return resp
 
 
 def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
-    from caldrix.routes import completions, debug, health
+    from caldrix.routes import completions, debug, health, openapi, systemone
 
     app = QuartTrio("caldrix")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
@@ -38,8 +40,8 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     app.register_blueprint(health.bp)
     app.register_blueprint(completions.bp)
     app.register_blueprint(debug.bp)  # /metrics, /debug/*, and the response counter
-    from caldrix.routes import systemone
     app.register_blueprint(systemone.bp)  # /v1/systemone
+    app.register_blueprint(openapi.bp)  # /openapi.json
 
     @app.errorhandler(ApiError)
     async def api_error(err: ApiError):

@@ -50,6 +50,10 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     with StepThread("caldrix load") as loader:
         rt = await loader.run(load_runtime, cfg)
     rt.announce(say)
+    warn_if_exposed(cfg.host)
+    from caldrix import faults
+
+    faults.install(rt.scheduler, say)  # nothing unless the test-only variable is set
     from hypercorn.config import Config as HyperConfig
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -87,6 +91,18 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         say(f"caldrix: listening on http://{cfg.host}:{cfg.port}/v1")
         task_status.started(binds)
     say("caldrix: stopped")
+
+
+def warn_if_exposed(host: str) -> None:
+    """One line when the bind reaches beyond this machine: there is no API key to stop anyone."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        loopback = False
+    if not loopback:
+        say(f"caldrix: warning: binding {host} exposes this server beyond this machine, and it has no API key")
 
 
 async def _cut_before_deadline(stop: trio.Event, scheduler, grace: float) -> None:

@@ -16,7 +16,7 @@ from quart import Blueprint, Response, current_app, request
 from caldrix.app import json_response
 from caldrix.generate import EngineFailed, EngineStopped, GenRequest, QueueFull, pieces, submit
 from caldrix.protocol import FinishReason
-from caldrix.routes import sse
+from caldrix.routes import backoff, sse
 from caldrix.routes.debug import refuse, tracked
 from caldrix.routes.errors import ApiError
 from caldrix.routes.schemas import ModelLimits, parse_body, parse_chat, parse_completion, reply_budget
@@ -81,7 +81,8 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
         rx = submit(submit_tx, gen)
     except QueueFull:
         refuse(rid, gen, 429, stream=req.stream)
-        raise ApiError.queue_full() from None
+        wait = backoff.retry_after_s(rt.telemetry.records(), submit_tx.statistics().current_buffer_used, rt.cfg.max_batch)
+        raise ApiError.queue_full(backoff.headers(wait)) from None
     except EngineStopped:
         refuse(rid, gen, 503, stream=req.stream)
         raise ApiError.engine_unavailable() from None

@@ -40,6 +40,7 @@ class ApiError(Exception):
         *,
         type: str | None = None,  # noqa: A002 - the field's name in the OpenAI body
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -49,6 +50,7 @@ class ApiError(Exception):
             status, "server_error" if status >= 500 else "invalid_request_error"
         )
         self.code = code
+        self.headers = headers or {}  # extra response headers (Retry-After on a 429)
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
@@ -76,8 +78,8 @@ class ApiError(Exception):
         return cls(413, f"the request body is over {limit_bytes // (1 << 20)} MiB")
 
     @classmethod
-    def queue_full(cls) -> ApiError:
-        return cls(429, "the request queue is full")
+    def queue_full(cls, headers: dict[str, str] | None = None) -> ApiError:
+        return cls(429, "the request queue is full", headers=headers)
 
     @classmethod
     def image_queue_full(cls) -> ApiError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from quart import Blueprint, Response, current_app
 
 from caldrix.app import json_response
+from caldrix.routes.errors import ApiError
 
 bp = Blueprint("health", __name__)
 
@@ -16,6 +17,10 @@ def runtime():
 @bp.get("/healthz")
 @bp.get("/health")
 async def healthz():
+    # A failed engine answers every request 503; say so here too, so a load balancer takes
+    # the server out rather than keep sending it traffic.
+    if runtime().scheduler.failed:
+        return json_response(ApiError.engine_unavailable().body(), 503)
     return Response("ok", mimetype="text/plain")
 
 

@@ -16,35 +16,26 @@ import json
 import math
 import re
 import secrets
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 
 from caldrix.protocol import SamplingParams
 from caldrix.routes.errors import ApiError
+from caldrix.routes.fields import (  # the declarations this validator and openapi.py share
+    IMAGE_PLACEHOLDER,
+    MAX_MESSAGES,
+    MAX_STOP_BYTES,
+    MAX_STOPS,
+    NOT_IMPLEMENTED,
+    ROLES,
+    SEED_LIMIT,
+    ModelLimits,
+)
 
-MAX_MESSAGES = 256
-MAX_STOPS = 4
-MAX_STOP_BYTES = 256
-IMAGE_PLACEHOLDER = "<image>"
-SEED_LIMIT = 1 << 64  # seeds are 64-bit; torch's generator takes any of them
+__all__ = ["ModelLimits", "parse_body", "parse_chat", "parse_completion", "reply_budget"]
+
 NO_CHAT_TEMPLATE = "this model has no chat template; use /v1/completions"
-
-
-@attrs.frozen
-class ModelLimits:
-    """What validation needs to know about the loaded model.
-
-    `vocab_size` is the model's (its embedding rows), which may exceed the tokenizer's
-    length; a prompt of token ids is checked against it. `context` is the rows per sequence.
-    `has_vision` is False on every model this release serves: image parts are then refused.
-    """
-
-    served_name: str
-    vocab_size: int
-    context: int
-    has_chat_template: bool
-    has_vision: bool = False
 
 
 @attrs.frozen
@@ -286,27 +277,12 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-# http-api.md "Not implemented": (field, is-neutral, the neutral value as the message shows it).
-_NOT_IMPLEMENTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("n", lambda v: _is_number(v) and v == 1, "1"),
-    ("presence_penalty", lambda v: _is_number(v) and v == 0, "0"),
-    ("frequency_penalty", lambda v: _is_number(v) and v == 0, "0"),
-    ("top_logprobs", lambda v: _is_number(v) and v == 0, "0"),
-    ("best_of", lambda v: _is_number(v) and v == 1, "1"),
-    ("logprobs", lambda v: v is False or (_is_number(v) and v == 0), "false or 0"),
-    ("logit_bias", lambda v: v == {}, "{}"),
-    ("tools", lambda v: v == [], "[]"),
-    ("tool_choice", lambda v: v == "none", '"none"'),
-    ("response_format", lambda v: v == {"type": "text"}, '{"type": "text"}'),
-)
-
-
 def _refuse_not_implemented(body: dict[str, Any]) -> None:
-    for name, is_neutral, neutral in _NOT_IMPLEMENTED:
-        value = body.get(name)
-        if value is not None and not is_neutral(value):
+    for field in NOT_IMPLEMENTED:
+        value = body.get(field.name)
+        if value is not None and not field.is_neutral(value):
             raise ApiError.invalid(
-                f"{name} is not supported by this server; only {neutral} is accepted", name
+                f"{field.name} is not supported by this server; only {field.shown} is accepted", field.name
             )
 
 
@@ -347,9 +323,6 @@ def _prompt(raw: Any, ctx: ModelLimits) -> str | tuple[int, ...]:
     return tuple(raw)
 
 
-_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
-
-
 def _messages(raw: Any, ctx: ModelLimits) -> tuple[ChatMessage, ...]:
     if raw is None:
         raise ApiError.invalid("messages is required", "messages")
@@ -374,7 +347,7 @@ def _message(m: Any, path: str, ctx: ModelLimits) -> ChatMessage:
         raise ApiError.invalid(
             f"{role} messages are not supported: this server has no tools", f"{path}.role"
         )
-    if role not in _ROLES:
+    if role not in ROLES:
         raise ApiError.invalid(
             f'must be system, user, assistant or developer, got "{_clip(role)}"', f"{path}.role"
         )
@@ -391,7 +364,7 @@ def _message(m: Any, path: str, ctx: ModelLimits) -> ChatMessage:
         raise ApiError.invalid(
             f"must be a string or an array of content parts, got {_kind(content)}", cpath
         )
-    return ChatMessage(role=_ROLES[role], content=text)
+    return ChatMessage(role=ROLES[role], content=text)
 
 
 def _text_part(part: Any, path: str, ctx: ModelLimits) -> str:

@@ -1,0 +1,192 @@
+"""The request fields of the generating endpoints, declared once: names, limits and JSON Schema.
+
+Both the validator (routes/schemas.py) and the OpenAPI document (routes/openapi.py) read these
+declarations, so the document cannot name a field the validator does not read, or a limit it
+does not apply. Each `Field` carries the JSON Schema of the values the validator accepts for it
+(absent is always accepted unless the field is in `required`); where a rule cannot be written in
+JSON Schema (a stop string's limit is in UTF-8 bytes, a prompt must fit the context) the schema
+is the looser bound and the validator the exact one, so every body the validator accepts is valid
+against the schema, never the other way round.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import attrs
+
+MAX_MESSAGES = 256
+MAX_STOPS = 4
+MAX_STOP_BYTES = 256
+IMAGE_PLACEHOLDER = "<image>"
+SEED_LIMIT = 1 << 64  # seeds are 64-bit; torch's generator takes any of them
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
+FLOAT_MAX = sys.float_info.max  # "finite": a literal past a double's range reads as infinity
+
+
+@attrs.frozen
+class ModelLimits:
+    """What validation needs to know about the loaded model.
+
+    `vocab_size` is the model's (its embedding rows), which may exceed the tokenizer's
+    length; a prompt of token ids is checked against it. `context` is the rows per sequence.
+    `has_vision` is False on every model this release serves: image parts are then refused.
+    """
+
+    served_name: str
+    vocab_size: int
+    context: int
+    has_chat_template: bool
+    has_vision: bool = False
+
+
+Schema = Callable[[ModelLimits], dict[str, Any]]
+
+
+@attrs.frozen
+class Field:
+    """One body field: its name, the JSON Schema of the values accepted, a line of doc."""
+
+    name: str
+    schema: Schema
+    doc: str
+
+
+def _const(schema: dict[str, Any]) -> Schema:
+    return lambda ctx: schema
+
+
+def _nullable(*types: str) -> list[str]:
+    return [*types, "null"]
+
+
+# http-api.md "Not implemented": accepted only absent, null or at a neutral value. `neutral` are
+# the JSON values accepted (compared as JSON compares: a boolean is not a number), `shown` is how
+# the refusal's message names them.
+@attrs.frozen
+class NotImplementedField:
+    name: str
+    neutral: tuple[Any, ...]
+    shown: str
+
+    def is_neutral(self, value: Any) -> bool:
+        return any(json_equal(value, n) for n in self.neutral)
+
+
+NOT_IMPLEMENTED: tuple[NotImplementedField, ...] = (
+    NotImplementedField("n", (1,), "1"),
+    NotImplementedField("presence_penalty", (0,), "0"),
+    NotImplementedField("frequency_penalty", (0,), "0"),
+    NotImplementedField("top_logprobs", (0,), "0"),
+    NotImplementedField("best_of", (1,), "1"),
+    NotImplementedField("logprobs", (False, 0), "false or 0"),
+    NotImplementedField("logit_bias", ({},), "{}"),
+    NotImplementedField("tools", ([],), "[]"),
+    NotImplementedField("tool_choice", ("none",), '"none"'),
+    NotImplementedField("response_format", ({"type": "text"},), '{"type": "text"}'),
+)
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON Schema's `enum` sees it: 1 == 1.0, but true is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+# --- schemas of the values ---------------------------------------------------------------------
+
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_BYTES,
+                "description": f"1 to {MAX_STOP_BYTES} bytes in UTF-8"}
+
+
+def _token(ctx: ModelLimits) -> dict[str, Any]:
+    return {"type": "integer", "minimum": 0, "maximum": ctx.vocab_size - 1}
+
+
+def _prompt(ctx: ModelLimits) -> dict[str, Any]:
+    ids = {"type": "array", "minItems": 1, "items": _token(ctx)}
+    return {"anyOf": [
+        {"type": "string", "minLength": 1},
+        ids,
+        # A batch of one is its single prompt; a longer batch is refused.
+        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": 1, "items": ids},
+    ]}
+
+
+_NO_PLACEHOLDER = {"not": {"pattern": IMAGE_PLACEHOLDER}}
+
+
+def _messages(ctx: ModelLimits) -> dict[str, Any]:
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string", **_NO_PLACEHOLDER}}}
+    content = {"anyOf": [{"type": "string", **_NO_PLACEHOLDER}, {"type": "array", "items": text_part}]}
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"enum": list(ROLES)}, "content": content}}
+    return {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message}
+
+
+# --- the fields --------------------------------------------------------------------------------
+
+MODEL = Field("model", lambda ctx: {"type": "string", "enum": [ctx.served_name]},
+              "the name this server answers to; any other is a 400")
+
+GENERATION: tuple[Field, ...] = (
+    MODEL,
+    Field("max_tokens", _const({"type": _nullable("integer"), "minimum": 1}),
+          "the reply's cap; beyond the context's room it is capped, not refused"),
+    Field("max_completion_tokens", _const({"type": _nullable("integer"), "minimum": 1}),
+          "another name for max_tokens; both with different values is a 400"),
+    Field("stop", _const({"anyOf": [{"type": "null"}, _STOP_STRING,
+                                    {"type": "array", "maxItems": MAX_STOPS, "items": _STOP_STRING}]}),
+          f"a string or up to {MAX_STOPS}, each 1 to {MAX_STOP_BYTES} bytes"),
+    Field("stream", _const({"type": _nullable("boolean")}), "send server-sent events"),
+    Field("stream_options", _const({"type": _nullable("object"), "additionalProperties": False,
+                                    "properties": {"include_usage": {"type": _nullable("boolean")}}}),
+          'only with "stream": true'),
+    Field("ignore_eos", _const({"type": _nullable("boolean")}), "treat end of sequence as an ordinary token"),
+    Field("return_token_ids", _const({"type": _nullable("boolean")}), "add each generated token's id"),
+    Field("user", _const({"type": _nullable("string")}), "accepted and ignored"),
+    Field("temperature", _const({"type": _nullable("number"), "minimum": 0, "maximum": FLOAT_MAX}),
+          "a finite number >= 0; 0 is greedy"),
+    Field("top_k", _const({"type": _nullable("integer"), "minimum": -1}),
+          "an integer >= 0; 0 or -1 keeps every token"),
+    Field("top_p", _const({"type": _nullable("number"), "exclusiveMinimum": 0, "maximum": 1}), "0 < top_p <= 1"),
+    Field("min_p", _const({"type": _nullable("number"), "minimum": 0, "maximum": 1}), "0 <= min_p <= 1"),
+    Field("repetition_penalty", _const({"type": _nullable("number"), "exclusiveMinimum": 0, "maximum": FLOAT_MAX}),
+          "a finite number > 0; 1 is off"),
+    Field("seed", _const({"type": _nullable("integer"), "minimum": -1, "maximum": SEED_LIMIT - 1}),
+          "an integer below 2**64; -1 or null draws a fresh seed"),
+    *(Field(f.name, (lambda f: lambda ctx: {"enum": [*f.neutral, None]})(f),
+            f"not implemented: only {f.shown} is accepted") for f in NOT_IMPLEMENTED),
+)
+
+COMPLETION: tuple[Field, ...] = (
+    Field("prompt", _prompt, "a string or an array of token ids (or a batch of one of either)"),
+    Field("messages", _const({"type": "null"}), "refused here: send prompt"),
+    *GENERATION,
+)
+
+CHAT: tuple[Field, ...] = (
+    Field("messages", _messages, f"1 to {MAX_MESSAGES} messages"),
+    Field("prompt", _const({"type": "null"}), "refused here: send messages"),
+    *GENERATION,
+)
+
+
+def body_schema(fields: tuple[Field, ...], required: tuple[str, ...], ctx: ModelLimits) -> dict[str, Any]:
+    """The JSON Schema of a request body. Unknown fields are accepted (http-api.md: "any field
+    this page does not name" is), so additionalProperties stays open."""
+    return {
+        "type": "object",
+        "required": list(required),
+        "properties": {f.name: {**f.schema(ctx), "description": f.doc} for f in fields},
+    }
