@@ -10,7 +10,6 @@ import torch
 import trio
 
 from caldrix.engine import Engine, resolve_dtype
-from caldrix.models import llama_load
 from caldrix.models.base import Attend, KVCache
 from caldrix.models.llama_load import load_decoder
 from engine_util import generate, generate_in_turn, hf_greedy
