@@ -25,7 +25,7 @@ import torch
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models import loader
 from caldrix.models.base import Attend, Loaded, Snapshot
-from caldrix.sampler import greedy_batch, pick
+from caldrix.sampler import greedy_batch, pick_run, plain_greedy
 
 log = logging.getLogger("caldrix")
 
@@ -178,8 +178,12 @@ class Engine:
                 h2 = self.model(ids[n1:n1 + n2], Attend("prefill", (0,), rows, rows), self.state)
                 step = [Run(0, n1 + n2, (int(ids[-1]),), (0,))]
                 # the hidden rows, then the logits as a decode step makes them (the whole scripted
-                # pass where there is one); the second pass rewrites the same KV row alike
-                got[threads] = (h1, h2, self._decode(step), self._decode_logits(step)[0])
+                # pass where there is one). The second pass computes the same row again: from the
+                # state before the first, restored (for attention rows, in place: a no-op).
+                before = self.state.snapshot(0, n1 + n2)
+                hidden = self._decode(step)
+                self.state.restore(before, 0)
+                got[threads] = (h1, h2, hidden, self._decode_logits(step)[0])
         finally:
             torch.set_num_threads(saved)
             self._rows[0] = []
@@ -266,7 +270,7 @@ class Engine:
             # Plain greedy rows share one arg-max call (exact, so it cannot depend on batch mates);
             # at 8 rows that is about 0.4 ms a step less than one call per row. The scripted pass
             # made that call already (`top`, every row's arg-max).
-            plain = [i for i, r in enumerate(decode) if r.pick_at and _plain_greedy(r)]
+            plain = [i for i, r in enumerate(decode) if r.pick_at and plain_greedy(r)]
             rows = [first[i] + o for i in plain for o in decode[i].pick_at]
             shared = top is not None or len(rows) > 1
             if shared:
@@ -379,24 +383,3 @@ class Engine:
         if got is not None:
             return got[0], got[1].tolist()
         return self.model.logits(self.model(ids, at, self.state)), None
-
-
-def pick_run(r: Run, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float]]:
-    """Pick r's tokens from its fp32 logits [len(pick_at), V]; `rows` are the slot's token ids
-    (the repetition penalty's history). Returns (tokens, read logits)."""
-    read = logits[-1, list(r.read_ids)].tolist() if r.read_ids else []
-    params = r.sampling
-    if _plain_greedy(r):
-        return greedy_batch(logits), read
-    out = []
-    for i, offset in enumerate(r.pick_at):
-        seen = None
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(rows[: r.start + offset + 1]).unique()
-        out.append(pick(logits[i], params, seen, r.draw_index + i))
-    return out, read
-
-
-def _plain_greedy(r: Run) -> bool:
-    """Greedy with no repetition penalty: the pick is the arg-max of the raw logits."""
-    return r.sampling.is_greedy and r.sampling.repetition_penalty == 1.0

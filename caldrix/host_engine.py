@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from caldrix.batch import Batch, RunOutput, StepOutput
-from caldrix.engine import pick_run
+from caldrix.sampler import pick_run
 
 
 class HostEngine:

@@ -112,6 +112,8 @@ PROMPTS = [(3, 1, 4, 1, 5, 9, 2, 6, 5, 3), (2, 7, 1, 8)]
 
 
 def test_a_second_architecture_serves_through_the_same_scheduler(toy):
+    # The start-up probe of the lanes computes its decode row twice, restoring the state between.
+    assert toy.check_lanes() in (None, "one thread: nothing to overlap") and toy._rows[0] == []
     want = [reference(toy.model, p, 6) for p in PROMPTS]
     assert generate(toy, PROMPTS, 6, together=True, chunk=4) == want
     assert generate(toy, PROMPTS, 6, together=False, chunk=4) == want
