@@ -23,11 +23,11 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 
 from caldrix.engine import Engine, resolve_dtype  # noqa: E402
-from caldrix.models.source import resolve  # noqa: E402
 from caldrix.protocol import SamplingParams, Submission  # noqa: E402
 from caldrix.sched.loop import Scheduler  # noqa: E402
 from caldrix.sched.policy import Policy  # noqa: E402
 from caldrix.sched.slots import SlotTable  # noqa: E402
+from caldrix.weights.source import resolve  # noqa: E402
 
 from prompts import PROMPTS  # noqa: E402  (bench/prompts.py, shared by the benchmarks)
 
@@ -90,7 +90,7 @@ def main() -> None:
     src = resolve(args.model)
     dtype = resolve_dtype(args.dtype, "cpu")
     n = args.tokens
-    from caldrix.models.gguf import source_gguf
+    from caldrix.weights.gguf import source_gguf
 
     int4 = source_gguf(src.path) if args.weights == "auto" and dtype is torch.bfloat16 else None
     weights = "int4 GGUF blocks" if int4 else "dense"

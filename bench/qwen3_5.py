@@ -87,7 +87,7 @@ def make(path: Path) -> None:
 
 def run_ours(path: Path, dtype, prompt: list[int], steps: int) -> dict:
     import torch
-    from caldrix.models.decoder import Attend
+    from caldrix.models.base import Attend
     from caldrix.models.qwen3_5 import Qwen35, load_qwen35
 
     t = time.perf_counter()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import orjson
 import trio
-from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from caldrix.routes import completions, debug, health, openapi, systemone
 from caldrix.routes.errors import ApiError
+from caldrix.routes.responses import error_response, json_response  # noqa: F401 -- json_response: re-exported
 from caldrix.runtime import Runtime
 
 log = logging.getLogger("caldrix")
@@ -18,19 +18,7 @@ log = logging.getLogger("caldrix")
 MAX_BODY = 4 * 2**20  # 4 MiB: a larger body is a 413, refused before it is read whole
 
 
-def json_response(obj: dict, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status=status, mimetype="application/json")
-
-
-def error_response(err: ApiError) -> Response:
-    resp = json_response(err.body(), err.status)
-    resp.headers.update(err.headers)
-    return resp
-
-
 def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
-    from caldrix.routes import completions, debug, health, openapi, systemone
-
     app = QuartTrio("caldrix")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
     # Quart's 60 s defaults would cut a long stream or a slow upload without an error.

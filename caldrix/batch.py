@@ -5,13 +5,19 @@ slot at consecutive positions, with the offsets inside it whose next-token logit
 The same shape serves chunked prefill (logits at the last prompt token, or none for a middle
 chunk), decode (one token, logits at it), speculative verify (k tokens, logits at each) and
 logit reads (`read_ids`).
+
+Two more things a run may ask, both by key, so that no tensor crosses: `embeds` names input
+embeddings (image features) the engine holds for some of the run's positions (Engine.embeddings,
+put by whoever made them; the token table supplies the other positions), and `restore` /
+`snapshot` restore a kept state of the slot before the run or keep one after it
+(Engine.snapshot, Engine.restore; models/base.py says what a snapshot holds).
 """
 
 from __future__ import annotations
 
 import attrs
 
-from caldrix.protocol import SamplingParams
+from caldrix.protocol import EmbedSpan, SamplingParams
 
 MAX_DRAFT_TOKENS = 8  # guesses in one speculative verify at most (--draft-tokens 1..8)
 
@@ -33,6 +39,15 @@ class Run:
     # pick_at at every offset. The engine computes each row exactly as a one-row decode step
     # would, so the picks are the tokens plain decoding gives.
     verify: bool = False
+    # Input embeddings for some positions: the spans that overlap start..end-1 (a span may
+    # reach past the run either way; the engine takes the overlap).
+    embeds: tuple[EmbedSpan, ...] = ()
+    # Before the run, restore the snapshot kept under this key into the slot; its length must
+    # be `start`. 0: none.
+    restore: int = 0
+    # After the run, keep the slot's state at `end` as a snapshot under this key (not on a
+    # verify run, whose rows past the kept guesses are thrown away). 0: none.
+    snapshot: int = 0
 
     @property
     def end(self) -> int:

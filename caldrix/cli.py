@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from caldrix.models.source import ModelNotFound
+    from caldrix.weights.source import ModelNotFound
 
     if args.command in ("serve", "run"):
         wrong = settle_flags(args) or check_speculation(args)
@@ -252,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_once(config_from(args, model), prompt, chat=args.chat, max_tokens=args.max_tokens,
                             stops=tuple(args.stop), ignore_eos=args.ignore_eos)
         if args.command == "fetch":
-            from caldrix.models.commands import fetch
+            from caldrix.weights.commands import fetch
 
             return fetch(args.model)
         if args.command == "models":
-            from caldrix.models.commands import list_models
+            from caldrix.weights.commands import list_models
 
             return list_models()
         if args.command == "replay":

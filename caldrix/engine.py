@@ -21,12 +21,11 @@ import os
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
-from caldrix.models import native
-from caldrix.models.decoder import Attend, Decoder, DecoderConfig, KVCache, Pending, load_decoder, read_embedding
-from caldrix.sampler import greedy_batch, pick
+from caldrix.models import loader
+from caldrix.models.base import Attend, Loaded, Snapshot
+from caldrix.sampler import greedy_batch, pick_run, plain_greedy
 
 log = logging.getLogger("caldrix")
 
@@ -52,85 +51,69 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 class Engine:
-    """Runs Batches on an own-torch Decoder with `max_batch` KV slots of `context` rows."""
+    """Runs Batches on a model (models/base.py's contract) with `max_batch` slots of `context`
+    rows; the llama family's Decoder is today's, loaded by Engine.load."""
 
-    def __init__(self, model: Decoder, *, max_batch: int, context: int, device: str = "cpu", pad_decode: bool = True):
+    def __init__(self, model, *, max_batch: int, context: int, device: str = "cpu", pad_decode: bool = True):
         self.model = model
         self.max_batch = max_batch
         self.context = context
         self.device = device
-        self.dtype = model.norm.weight.dtype
+        self.dtype = model.dtype
         self.vocab_size = model.cfg.vocab_size
+        # Whether a slot's held rows may be reused up to any common prefix (attention-only
+        # models), or only whole / from a snapshot (a recurrent state): the slot table asks.
+        self.reuses_rows = bool(getattr(type(model), "reuses_rows", True))
         # The dense matmuls give a row a different result with a different row count (the
         # 4-bit kernel does not): a dense engine pads every decode step to max_batch rows,
         # and the padding rows write into one extra, scratch slot.
         self.pad_decode = pad_decode and max_batch > 1
-        self.kv = KVCache(model.cfg, max_batch + self.pad_decode, context, self.dtype, device)
-        model.setup_rope(context)
+        self.state = type(model).new_state(model.cfg, max_batch + self.pad_decode, context, self.dtype, device)
+        if hasattr(model, "setup"):
+            model.setup(context)
         self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
-        self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (models/q4.py)
-        self.q8_embed = False  # and the tied embedding read from them (q4.embed_from_head)
+        self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (kernels/q4.py)
+        self.q8_embed = False  # and the tied embedding read from them (llama_load.embed_from_head)
         self.int4_ours = False  # the 4-bit matmuls run caldrix's kernel (q4mm.cpp, q4mm_f32.cpp), not torch's
         self.can_verify = False  # set by check_verify(), which speculation runs once at start
         # Why a decode step and a prefill chunk may not run at once (None: they may), set by
         # check_lanes(), which Engine.load runs; an engine built otherwise runs one step at a time.
         self.lanes_why: str | None = "not checked"
-        self.scripted_rows = False  # decode-form layers run as one TorchScript call (models/scripted.py)
+        self.scripted_rows = False  # decode-form layers run as one TorchScript call (kernels/scripted.py)
         self.scripted_pass = False  # and the embedding, head and arg-max with them (scripted.decode_logits)
-        # Decode-form attention through the compiled kernel (models/native.py), for every decode
+        # Decode-form attention through the compiled kernel (kernels/native.py), for every decode
         # pass or none: its bits are not SDPA's, and a reply must not depend on the step.
-        self.native_attend = native.usable(self.dtype, model.cfg.head_dim, device)
+        self.native_attend = bool(model.uses_native(device)) if hasattr(model, "uses_native") else False
         self.max_threads = torch.get_num_threads()
         self.passive_omp = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-        # Mirror of the token ids in each slot's KV rows: the repetition penalty reads it.
+        # Mirror of the token ids in each slot's rows: the repetition penalty reads it.
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]
+        # Input embeddings that runs name by key (Run.embeds): put before the request is
+        # submitted, dropped by the scheduler when it ends (drop_embeddings).
+        self.embeddings: dict[int, torch.Tensor] = {}
+        # Snapshots by key (Run.snapshot, Run.restore): the state's own, and the slot's token ids then.
+        self._snapshots: dict[int, tuple[Snapshot | None, tuple[int, ...]]] = {}  # None: spoiled
+
+    @property
+    def kv(self):
+        """The per-slot state (a KVCache for the llama family)."""
+        return self.state
 
     @classmethod
     def load(cls, path: Path, *, dtype: torch.dtype, max_batch: int, context: int | None, device: str = "cpu",
              int4_from: Path | None = None) -> "Engine":
-        """Load a Hugging Face directory. `int4_from`: the GGUF the directory was converted
-        from; its Q4_1 projections then stay 4-bit (the CPU only: bfloat16, or float32 where
-        caldrix::q4_mm_f32 is built)."""
-        skip: frozenset[str] = frozenset()
-        if int4_from is not None:
-            from caldrix.models import q4
-
-            if not q4.runs_4bit(dtype, device):
-                raise ValueError("4-bit weights need the cpu lane and --dtype bfloat16, or float32 on a CPU with "
-                                 "AVX2, FMA and F16C")
-            cfg = DecoderConfig.from_dir(path)
-            skip = q4.dense_not_kept(int4_from, cfg.num_layers, dtype, tied=cfg.tie_embeddings)
-        model = load_decoder(path, dtype, device, skip=skip)
-        engine_int4 = 0
-        if int4_from is not None:
-            engine_int4 = q4.quantize_from_gguf(model, int4_from)
-        ctx = min(model.cfg.max_positions, 8192) if context is None else context
-        engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=not engine_int4)
-        engine.int4_layers = engine_int4
-        engine.int4_ours = bool(getattr(model, "int4_ours", False)) and engine_int4 > 0
-        if engine_int4:
-            from caldrix.models import q4
-
-            # Up to a verify pass's rows, whatever --speculate says, so a prompt of a few tokens
-            # takes the same kernels with speculation or without.
-            q4.set_max_int4_rows(model, max(max_batch, 1 + MAX_DRAFT_TOKENS))
-            # The Q8_0 head's 4-bit halves: through caldrix::q4_mm they cost less than the dense
-            # head at 1 row and at 8; through torch's int4 kernel half of it at 1 row but twice
-            # it at 8. A head chosen by the step's row count would make a reply depend on its
-            # batch mates, so it is chosen once: by the kernel, else by --max-batch.
-            use_q8 = engine.int4_ours or max_batch == 1
-            engine.int4_head = use_q8 and q4.head_from_gguf(model, int4_from)
-            # A tied embedding read from the head's blocks: 56 MB less for SmolLM2, same bits,
-            # checked against the table read back a slice at a time.
-            engine.q8_embed = engine.int4_head and q4.embed_from_head(
-                model, lambda start, stop: read_embedding(path, dtype, (start, stop)))
-            engine.scripted_rows = q4.script_decode_rows(model)
-            engine.scripted_pass = engine.scripted_rows and engine.int4_head and q4.script_decode_logits(model)
-        if isinstance(model.embed, Pending):  # skipped for the head's blocks, which did not serve it
-            model.embed = nn.Embedding.from_pretrained(read_embedding(path, dtype).to(device), freeze=True)
-        pending = [name for name, module in model.named_modules() if isinstance(module, Pending)]
-        if pending:
-            raise RuntimeError(f"the 4-bit load left {pending[0]} without weights")
+        """Load a Hugging Face directory through its architecture's loader (models/__init__.py).
+        `int4_from`: the GGUF the directory was converted from; its Q4_1 projections then stay
+        4-bit (the CPU only: bfloat16, or float32 where caldrix::q4_mm_f32 is built)."""
+        # Up to a verify pass's rows, whatever --speculate says, so a prompt of a few tokens
+        # takes the same kernels with speculation or without.
+        got: Loaded = loader(path)(path, dtype=dtype, device=device, int4_from=int4_from, max_batch=max_batch,
+                                   int4_rows=max(max_batch, 1 + MAX_DRAFT_TOKENS))
+        model = got.model
+        ctx = min(getattr(model.cfg, "max_positions", 8192), 8192) if context is None else context
+        engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=got.row_count_dependent)
+        engine.int4_layers, engine.int4_head, engine.q8_embed = got.int4_layers, got.int4_head, got.q8_embed
+        engine.int4_ours, engine.scripted_rows, engine.scripted_pass = got.int4_ours, got.scripted_rows, got.scripted_pass
         engine.check_lanes()
         return engine
 
@@ -190,13 +173,17 @@ class Engine:
         try:
             for threads in (1, self.max_threads):
                 torch.set_num_threads(threads)
-                h1 = self.model(ids[:n1], Attend("prefill", (0,), torch.arange(n1), torch.arange(n1)), self.kv)
+                h1 = self.model(ids[:n1], Attend("prefill", (0,), torch.arange(n1), torch.arange(n1)), self.state)
                 rows = torch.arange(n1, n1 + n2)
-                h2 = self.model(ids[n1:n1 + n2], Attend("prefill", (0,), rows, rows), self.kv)
+                h2 = self.model(ids[n1:n1 + n2], Attend("prefill", (0,), rows, rows), self.state)
                 step = [Run(0, n1 + n2, (int(ids[-1]),), (0,))]
                 # the hidden rows, then the logits as a decode step makes them (the whole scripted
-                # pass where there is one); the second pass rewrites the same KV row alike
-                got[threads] = (h1, h2, self._decode(step), self._decode_logits(step)[0])
+                # pass where there is one). The second pass computes the same row again: from the
+                # state before the first, restored (for attention rows, in place: a no-op).
+                before = self.state.snapshot(0, n1 + n2)
+                hidden = self._decode(step)
+                self.state.restore(before, 0)
+                got[threads] = (h1, h2, hidden, self._decode_logits(step)[0])
         finally:
             torch.set_num_threads(saved)
             self._rows[0] = []
@@ -208,7 +195,7 @@ class Engine:
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv.nbytes
+        return self.state.nbytes
 
     @torch.inference_mode()
     def check_verify(self) -> str | None:
@@ -225,8 +212,10 @@ class Engine:
         admitted anything, and leaves the slot empty."""
         if self.pad_decode:
             return "a batched dense engine pads its decode steps, so its rows are not a one-row step's"
+        if not self.reuses_rows:
+            return "the model keeps a recurrent state, which cannot take back a rejected guess"
         g = torch.Generator().manual_seed(0)
-        vocab = self.model.cfg.vocab_size
+        vocab = self.vocab_size
         ids = torch.randint(0, vocab, (6 + 1 + MAX_DRAFT_TOKENS,), generator=g).tolist()
         prompt, rows = ids[:6], ids[6:]
         start = len(prompt)
@@ -234,7 +223,7 @@ class Engine:
         why = None
         try:
             torch.set_num_threads(self.threads_for(0))
-            self.model(torch.tensor(prompt), Attend("prefill", (0,), torch.arange(start), torch.arange(start)), self.kv)
+            self.model(torch.tensor(prompt), Attend("prefill", (0,), torch.arange(start), torch.arange(start)), self.state)
             one = torch.cat([self._decode_logits([Run(0, start + i, (t,), (0,))])[0] for i, t in enumerate(rows)])
             # The thread counts a decode step gets: the engine's, and one where the lanes overlap.
             for threads in sorted({self.threads_for(0)} | ({1} if self.overlap_lanes else set())):
@@ -263,6 +252,10 @@ class Engine:
         assert self.can_verify or not any(r.verify for r in batch.runs), "this engine cannot verify"
         for r in batch.runs:
             assert r.end <= self.context, f"run past the context: {r.end} > {self.context}"
+            if r.restore:
+                self.restore(r.restore, r.slot, at=r.start)
+            if self._snapshots:
+                self._spoil(r.slot, r.start)
             rows = self._rows[r.slot]
             del rows[r.start :]
             rows.extend(r.token_ids)
@@ -277,7 +270,7 @@ class Engine:
             # Plain greedy rows share one arg-max call (exact, so it cannot depend on batch mates);
             # at 8 rows that is about 0.4 ms a step less than one call per row. The scripted pass
             # made that call already (`top`, every row's arg-max).
-            plain = [i for i, r in enumerate(decode) if r.pick_at and _plain_greedy(r)]
+            plain = [i for i, r in enumerate(decode) if r.pick_at and plain_greedy(r)]
             rows = [first[i] + o for i in plain for o in decode[i].pick_at]
             shared = top is not None or len(rows) > 1
             if shared:
@@ -292,11 +285,17 @@ class Engine:
                     at = [first[i] + o for o in r.pick_at]
                     picked[id(r)], reads[id(r)] = pick_run(r, logits[at], self._rows[r.slot])
         for r in prefill:
-            at = Attend("prefill", (r.slot,), torch.arange(r.start, r.end), torch.arange(r.start, r.end))
-            hidden = self.model(torch.tensor(r.token_ids), at, self.kv)
+            embeds, embed_rows = self._embeds([r])
+            at = Attend("prefill", (r.slot,), torch.arange(r.start, r.end), torch.arange(r.start, r.end),
+                        embeds=embeds, embed_rows=embed_rows)
+            hidden = self.model(torch.tensor(r.token_ids), at, self.state)
             if r.pick_at:
                 logits = self.model.logits(hidden[list(r.pick_at)])
                 picked[id(r)], reads[id(r)] = pick_run(r, logits, self._rows[r.slot])
+        for r in batch.runs:
+            if r.snapshot:
+                assert not r.verify, "a verify run's rows past its kept guesses are thrown away: no snapshot"
+                self.snapshot(r.slot, r.end, r.snapshot)
         return StepOutput(
             tuple(RunOutput(tuple(picked.get(id(r), ())), tuple(reads.get(id(r), ()))) for r in batch.runs)
         )
@@ -310,40 +309,77 @@ class Engine:
         slots = tuple(r.slot for r in runs for _ in r.token_ids) + (self.max_batch,) * pad  # padding rows: the scratch slot
         lengths = tuple(p + 1 for p in positions) + (0,) * pad
         pos = torch.tensor(positions + [0] * pad)
-        at = Attend("decode", slots, pos, pos, lengths, torch.tensor(slots), self.native_attend)
+        embeds, embed_rows = self._embeds(runs) if any(r.embeds for r in runs) else (None, None)
+        at = Attend("decode", slots, pos, pos, lengths, torch.tensor(slots), self.native_attend, embeds, embed_rows)
         return torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad), at
+
+    def _embeds(self, runs: list[Run]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The input embeddings `runs` name (Run.embeds), packed as a pass packs the runs' rows
+        (one after another): (rows [N, D], their row in the pass [N]), or (None, None)."""
+        parts, where, base = [], [], 0
+        for r in runs:
+            for e in r.embeds:
+                lo, hi = max(e.start, r.start), min(e.start + e.count, r.end)
+                if lo < hi:
+                    parts.append(self.embeddings[e.key][lo - e.start : hi - e.start])
+                    where.append(torch.arange(base + lo - r.start, base + hi - r.start))
+            base += len(r.token_ids)
+        if not parts:
+            return None, None
+        return torch.cat(parts), torch.cat(where)
+
+    def put_embeddings(self, key: int, rows: torch.Tensor) -> None:
+        """Hold input embeddings [N, D] for runs to name by `key` (Run.embeds, EmbedSpan.key)."""
+        assert rows.dim() == 2 and key, "rows [N, D] under a nonzero key"
+        self.embeddings[key] = rows.to(self.dtype)
+
+    def drop_embeddings(self, keys) -> None:
+        """Forget input embeddings once no run will name them (the scheduler, at a request's end)."""
+        for key in keys:
+            self.embeddings.pop(key, None)
+
+    def snapshot(self, slot: int, length: int, key: int) -> None:
+        """Keep `slot`'s state at `length` (at most what it has computed) under `key`, replacing
+        any snapshot of that key. Attention-only state keeps the rows in place: a later write
+        into the slot below `length` spoils the snapshot, and restoring a spoiled one raises."""
+        assert key and 0 <= length <= len(self._rows[slot]), f"slot {slot} has no state at {length}"
+        self._snapshots[key] = (self.state.snapshot(slot, length), tuple(self._rows[slot][:length]))
+
+    def restore(self, key: int, slot: int, *, at: int | None = None) -> None:
+        """Restore the snapshot `key` into `slot` (its own or another), which then holds exactly
+        the snapshot's tokens; `at`, where given, must be the snapshot's length. The snapshot stays
+        for further restores until dropped. KeyError for an unknown key, ValueError for a spoiled
+        or misplaced one."""
+        snap, tokens = self._snapshots[key]
+        if snap is None:
+            raise ValueError(f"snapshot {key} was spoiled: its slot's rows below {len(tokens)} were rewritten")
+        if at is not None and at != snap.length:
+            raise ValueError(f"snapshot {key} holds {snap.length} positions; the run starts at {at}")
+        if slot != snap.slot:
+            self._spoil(slot, 0)
+        self.state.restore(snap, slot)
+        self._rows[slot] = list(tokens)
+
+    def drop_snapshot(self, key: int) -> None:
+        self._snapshots.pop(key, None)
+
+    def _spoil(self, slot: int, start: int) -> None:
+        """A write into `slot` from `start` on: in-place snapshots of it that reach past start are gone."""
+        for key, (snap, tokens) in self._snapshots.items():
+            if snap is not None and snap.slot == slot and snap.in_place and snap.length > start:
+                self._snapshots[key] = (None, tokens)
 
     def _decode(self, runs: list[Run]) -> torch.Tensor:
         """Decode rows -> hidden [rows, D] (see _decode_inputs)."""
         ids, at = self._decode_inputs(runs)
-        return self.model(ids, at, self.kv)
+        return self.model(ids, at, self.state)
 
     def _decode_logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int] | None]:
         """Decode rows -> (fp32 logits [rows, V], every row's arg-max or None): one scripted call
-        where the model has it (Decoder.decode_logits), else the layers, then the head."""
+        where the model has it (its decode_logits), else the layers, then the head."""
         ids, at = self._decode_inputs(runs)
-        got = self.model.decode_logits(ids, at, self.kv)
+        fused = getattr(self.model, "decode_logits", None)
+        got = fused(ids, at, self.state) if fused is not None else None
         if got is not None:
             return got[0], got[1].tolist()
-        return self.model.logits(self.model(ids, at, self.kv)), None
-
-
-def pick_run(r: Run, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float]]:
-    """Pick r's tokens from its fp32 logits [len(pick_at), V]; `rows` are the slot's token ids
-    (the repetition penalty's history). Returns (tokens, read logits)."""
-    read = logits[-1, list(r.read_ids)].tolist() if r.read_ids else []
-    params = r.sampling
-    if _plain_greedy(r):
-        return greedy_batch(logits), read
-    out = []
-    for i, offset in enumerate(r.pick_at):
-        seen = None
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(rows[: r.start + offset + 1]).unique()
-        out.append(pick(logits[i], params, seen, r.draw_index + i))
-    return out, read
-
-
-def _plain_greedy(r: Run) -> bool:
-    """Greedy with no repetition penalty: the pick is the arg-max of the raw logits."""
-    return r.sampling.is_greedy and r.sampling.repetition_penalty == 1.0
+        return self.model.logits(self.model(ids, at, self.state)), None

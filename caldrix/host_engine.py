@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from caldrix.batch import Batch, RunOutput, StepOutput
-from caldrix.engine import pick_run
+from caldrix.sampler import pick_run
 
 
 class HostEngine:
@@ -34,6 +34,8 @@ class HostEngine:
 
         outs = []
         for r in batch.runs:
+            if r.embeds or r.restore or r.snapshot:
+                raise NotImplementedError("the host lane runs token ids only: no input embeddings or snapshots")
             rows = self._rows[r.slot]
             cache = self._cache[r.slot]
             if cache is None or cache.get_seq_length() > r.start:

@@ -66,6 +66,16 @@ class TokenEvent:
     speculative: tuple[int, int] | None = None
 
 
+@attrs.frozen
+class EmbedSpan:
+    """Positions start..start+count-1 of a sequence take rows 0..count-1 of the input embeddings
+    the engine holds under `key` (Engine.embeddings), in place of their token ids' rows."""
+
+    key: int
+    start: int
+    count: int
+
+
 @attrs.frozen(eq=False)
 class Submission:
     """A validated request, handed to the scheduler through the bounded request channel.
@@ -89,6 +99,9 @@ class Submission:
     read_ids: tuple[int, ...] = ()
     # Image requests never reuse held prompt rows and leave none behind.
     reuse_prefix: bool = True
+    # Input embeddings for some prompt positions (image features), held by the engine under
+    # each span's key; the scheduler drops them from the engine when the request ends.
+    embeds: tuple[EmbedSpan, ...] = ()
     # When the route handed it over (monotonic seconds): queue time and TTFT count from here.
     arrived: float = attrs.field(factory=time.monotonic)
 

@@ -98,8 +98,8 @@ def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | 
     """--weights auto keeps a GGUF's 4-bit blocks when the engine can run them: the cpu lane,
     bfloat16, or float32 where caldrix::q4_mm_f32 is built. --weights dense always uses the
     dequantized weights."""
-    from caldrix.models import q4
-    from caldrix.models.gguf import source_gguf
+    from caldrix.kernels import q4
+    from caldrix.weights.gguf import source_gguf
 
     if cfg.weights != "auto" or lane != "cpu" or not q4.runs_4bit(dtype, "cpu"):
         return None
@@ -108,10 +108,9 @@ def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | 
 
 def load_runtime(cfg: ServeConfig) -> Runtime:
     from caldrix.engine import Engine, resolve_dtype
-    from caldrix.models.source import resolve
+    from caldrix.weights.source import resolve
     from caldrix.sched.policy import Policy
     from caldrix.sched.slots import SlotTable
-    from caldrix.server import pick_lane
     from caldrix.tokenizer import Tokenizer
 
     src = resolve(cfg.model)
@@ -134,7 +133,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
                              int4_from=_int4_source(cfg, src.path, lane, dtype))
     speculation, notes = resolve_speculation(cfg, lane, engine)
     notes = (*kernel_notes(lane), *notes)
-    policy = Policy(SlotTable(cfg.max_batch), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk,
+    policy = Policy(SlotTable(cfg.max_batch, reuse_rows=getattr(engine, "reuses_rows", True)), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk,
                     speculation=speculation)
     rt = Runtime(
         cfg=cfg,
@@ -151,6 +150,17 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     )
     release_freed_heap()
     return rt
+
+
+def pick_lane(backend: str) -> str:
+    """--backend: auto is cuda (or hip) where torch sees a GPU, else cpu."""
+    import torch
+
+    if backend != "auto":
+        return backend
+    if torch.cuda.is_available():
+        return "hip" if getattr(torch.version, "hip", None) else "cuda"
+    return "cpu"
 
 
 def release_freed_heap() -> bool:
@@ -172,10 +182,10 @@ def release_freed_heap() -> bool:
 
 
 def kernel_notes(lane: str) -> tuple[str, ...]:
-    """A start-up note where the cpu lane runs without its compiled kernels (models/native.py):
+    """A start-up note where the cpu lane runs without its compiled kernels (kernels/native.py):
     the server still answers the same, but decodes several times slower, which a log warning
     alone would hide."""
-    from caldrix.models import native
+    from caldrix.kernels import native
 
     why = native.why_torch() if lane == "cpu" else None
     if why is None:

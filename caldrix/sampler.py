@@ -24,10 +24,14 @@ top-p, min-p or the walk reach past it; totals come from sums over the whole voc
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from caldrix.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from caldrix.batch import Run
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (the golden ratio, odd)
@@ -241,3 +245,24 @@ def _sample(r: torch.Tensor, params: SamplingParams, u: float | None):
             continue
         # Rounding left the total mass at or under u: the last survivor with any weight.
         return int(ids_s[int((w > 0).nonzero()[-1])])
+
+
+def pick_run(r: Run, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float]]:
+    """Pick r's tokens from its fp32 logits [len(pick_at), V]; `rows` are the slot's token ids
+    (the repetition penalty's history). Returns (tokens, read logits)."""
+    read = logits[-1, list(r.read_ids)].tolist() if r.read_ids else []
+    params = r.sampling
+    if plain_greedy(r):
+        return greedy_batch(logits), read
+    out = []
+    for i, offset in enumerate(r.pick_at):
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(rows[: r.start + offset + 1]).unique()
+        out.append(pick(logits[i], params, seen, r.draw_index + i))
+    return out, read
+
+
+def plain_greedy(r: Run) -> bool:
+    """Greedy with no repetition penalty: the pick is the arg-max of the raw logits."""
+    return r.sampling.is_greedy and r.sampling.repetition_penalty == 1.0

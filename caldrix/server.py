@@ -30,16 +30,6 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def pick_lane(backend: str) -> str:
-    import torch
-
-    if backend != "auto":
-        return backend
-    if torch.cuda.is_available():
-        return "hip" if getattr(torch.version, "hip", None) else "cuda"
-    return "cpu"
-
-
 async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load and serve until a signal (or cancellation). Model loading blocks a thread of its own."""
     from caldrix.runtime import load_runtime
@@ -72,7 +62,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     # What loading made (the model's modules, the tokenizer's tables, the imported libraries:
     # about 350,000 objects the collector tracks) lives as long as the server. A full
     # collection walks all of it, 200-260 ms with the GIL held and every stream waiting, and
-    # one came about once a minute under load (docs/performance.md). So collect once here, and
+    # one came about once a minute under load (docs/performance-history.md). So collect once here, and
     # freeze what is left: later full collections see only what serving made (about 7 ms).
     gc.collect()
     gc.freeze()

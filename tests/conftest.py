@@ -15,10 +15,10 @@ import pytest
 
 
 def pytest_sessionstart(session):
-    """Build the decode attention kernel (caldrix/models/native.py) before any test runs: about
+    """Build the decode attention kernel (caldrix/kernels/native.py) before any test runs: about
     15 s the first time on a machine, nothing once cached. Without this, whichever test first
     started a bfloat16 engine would see the build's progress line among its output."""
-    from caldrix.models import native
+    from caldrix.kernels import native
 
     native.load()
 
@@ -31,7 +31,7 @@ def smollm2_dir() -> Path:
     ~/.cache/caldrix), the same cache the server uses, so it costs about 30 s on two cores
     the first time and nothing in later sessions. Treat it as read-only.
     """
-    from caldrix.models import gguf, source
+    from caldrix.weights import gguf, source
 
     try:
         gguf_file = source.embedded_gguf()

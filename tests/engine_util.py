@@ -5,29 +5,32 @@ from __future__ import annotations
 import torch
 import trio
 
-from caldrix.protocol import FinishReason, SamplingParams, Submission
+from caldrix.protocol import EmbedSpan, FinishReason, SamplingParams, Submission
 from caldrix.sched.loop import Scheduler
 from caldrix.sched.policy import Policy
 from caldrix.sched.slots import SlotTable
 
 
 def generate(engine, prompts: list[tuple[int, ...]], max_tokens: int, *, together: bool, chunk: int = 16,
-             stop: frozenset[int] = frozenset(), sampling: list[SamplingParams] | None = None) -> list[list[int]]:
+             stop: frozenset[int] = frozenset(), sampling: list[SamplingParams] | None = None,
+             embeds: list[tuple[EmbedSpan, ...]] | None = None) -> list[list[int]]:
     """Replies through the real scheduler and engine (steps run inline, no thread); greedy
-    unless `sampling` gives each prompt its settings."""
+    unless `sampling` gives each prompt its settings; `embeds`, each prompt's input embedding
+    spans (the engine holds the rows)."""
     sampling = sampling or [SamplingParams()] * len(prompts)
+    embeds = embeds or [()] * len(prompts)
 
     async def inline(fn, batch):
         await trio.lowlevel.checkpoint()
         return fn(batch)
 
-    async def one_batch(group, params):
-        sched = Scheduler(engine, Policy(SlotTable(engine.max_batch), chunk=chunk, prefill_budget=chunk), run_step=inline)
+    async def one_batch(group, params, spans):
+        sched = Scheduler(engine, Policy(_slots(engine), chunk=chunk, prefill_budget=chunk), run_step=inline)
         tx, rx = trio.open_memory_channel(len(group))
         streams = []
-        for i, (ids, sp) in enumerate(zip(group, params)):
+        for i, (ids, sp, es) in enumerate(zip(group, params, spans)):
             etx, erx = trio.open_memory_channel(max_tokens + 1)
-            tx.send_nowait(Submission(f"r{i}", ids, max_tokens, sp, stop, etx))
+            tx.send_nowait(Submission(f"r{i}", ids, max_tokens, sp, stop, etx, embeds=es))
             streams.append(erx)
         replies = []
         async with trio.open_nursery() as nursery:
@@ -40,8 +43,13 @@ def generate(engine, prompts: list[tuple[int, ...]], max_tokens: int, *, togethe
         return replies
 
     if together:
-        return trio.run(one_batch, prompts, sampling)
-    return [trio.run(one_batch, [p], [sp])[0] for p, sp in zip(prompts, sampling)]
+        return trio.run(one_batch, prompts, sampling, embeds)
+    return [trio.run(one_batch, [p], [sp], [es])[0] for p, sp, es in zip(prompts, sampling, embeds)]
+
+
+def _slots(engine) -> SlotTable:
+    """The slot table the server gives this engine: reuse of held rows as its model allows."""
+    return SlotTable(engine.max_batch, reuse_rows=getattr(engine, "reuses_rows", True))
 
 
 def generate_in_turn(engine, prompts: list[tuple[int, ...]], max_tokens: int, *, chunk: int = 128
@@ -54,8 +62,7 @@ def generate_in_turn(engine, prompts: list[tuple[int, ...]], max_tokens: int, *,
         return fn(batch)
 
     async def main():
-        sched = Scheduler(engine, Policy(SlotTable(engine.max_batch), chunk=chunk, prefill_budget=chunk),
-                          run_step=inline)
+        sched = Scheduler(engine, Policy(_slots(engine), chunk=chunk, prefill_budget=chunk), run_step=inline)
         tx, rx = trio.open_memory_channel(1)
         out = []
         async with trio.open_nursery() as nursery:

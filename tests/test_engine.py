@@ -10,7 +10,8 @@ import torch
 import trio
 
 from caldrix.engine import Engine, resolve_dtype
-from caldrix.models.decoder import Attend, KVCache, load_decoder
+from caldrix.models.base import Attend, KVCache
+from caldrix.models.llama_load import load_decoder
 from engine_util import generate, generate_in_turn, hf_greedy
 
 PROMPTS = [
@@ -125,8 +126,8 @@ def test_no_step_reads_a_kv_row_it_did_not_write(smollm2_dir, smollm2_reference,
     """The KV cache starts uninitialized (KVCache): rows full of NaN must change no reply, with
     decode steps padded (dense) or not (4-bit), prompts of several chunks, batch mates of other
     lengths, and a prompt that reuses a finished one's rows."""
-    from caldrix.models import q4
-    from caldrix.models.gguf import source_gguf
+    from caldrix.kernels import q4
+    from caldrix.weights.gguf import source_gguf
 
     if weights == "4-bit" and not q4.runs_4bit(torch.float32, "cpu"):
         pytest.skip("no float32 4-bit kernel on this CPU")

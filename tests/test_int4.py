@@ -1,4 +1,4 @@
-"""The GGUF's Q4_1 blocks kept 4-bit (caldrix/models/q4.py) on the embedded SmolLM2."""
+"""The GGUF's Q4_1 blocks kept 4-bit (caldrix/kernels/q4.py, models/llama_load.py) on the embedded SmolLM2."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from caldrix.engine import Engine
-from caldrix.models import q4
-from caldrix.models.decoder import Attend, KVCache, load_decoder
-from caldrix.models.gguf import source_gguf
+from caldrix.kernels import q4
+from caldrix.models import llama_load
+from caldrix.models.base import Attend, KVCache
+from caldrix.models.llama_load import load_decoder
+from caldrix.weights.gguf import source_gguf
 from engine_util import generate, generate_in_turn
 
 pytestmark = pytest.mark.skipif(not q4.available(), reason="this torch has no int4 CPU matmul")
@@ -27,7 +29,7 @@ def gguf_file(smollm2_dir):
 def models(smollm2_dir, gguf_file):
     dense = load_decoder(smollm2_dir, torch.float32)
     quant = load_decoder(smollm2_dir, torch.bfloat16)
-    assert q4.quantize_from_gguf(quant, gguf_file) == 4 * dense.cfg.num_layers
+    assert llama_load.quantize_from_gguf(quant, gguf_file) == 4 * dense.cfg.num_layers
     return dense, quant
 
 
@@ -156,8 +158,8 @@ def test_only_torchs_int4_kernel_keeps_dense_projections(smollm2_dir, gguf_file,
     reads the dense projections (212 MB of bfloat16 for SmolLM2, a fifth of the server's peak
     memory before); torch's int4 kernel is slower than the dense matmul for long chunks, so
     there the dense weights are read and kept for them."""
-    from caldrix.models import native
-    from caldrix.models.tensor_files import TensorFiles
+    from caldrix.kernels import native
+    from caldrix.weights.tensor_files import TensorFiles
 
     if ours and not native.has_q4_mm():
         pytest.skip("caldrix::q4_mm is not built on this CPU")
@@ -184,7 +186,7 @@ def test_only_torchs_int4_kernel_keeps_dense_projections(smollm2_dir, gguf_file,
 
 
 def test_a_projection_the_loader_skipped_refuses_to_run(smollm2_dir):
-    from caldrix.models.decoder import Pending
+    from caldrix.models.llama_load import Pending
 
     skip = frozenset({"layers.0.wo.weight", "layers.3.w_down.weight", "embed.weight"})
     model = load_decoder(smollm2_dir, torch.bfloat16, skip=skip)
@@ -244,7 +246,7 @@ def test_the_tied_embedding_is_read_from_the_head_with_the_dense_bits(smollm2_di
     and decode logits equal those of an engine that keeps the table. Against a table that
     differs from the blocks in one value, the table is kept."""
     from caldrix.batch import Batch, Run
-    from caldrix.models import native
+    from caldrix.kernels import native
 
     if not native.has_q4_mm():
         pytest.skip("caldrix::q4_mm is not built on this CPU")
@@ -261,16 +263,16 @@ def test_the_tied_embedding_is_read_from_the_head_with_the_dense_bits(smollm2_di
     assert not any("embed" in name for name, _ in engine.model.named_parameters())
     got = logits(engine)
     with monkeypatch.context() as m:
-        m.setattr(q4, "embed_from_head", lambda model, rows: False)  # the table read whole after all
+        m.setattr(llama_load, "embed_from_head", lambda model, rows: False)  # the table read whole after all
         dense = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=128, int4_from=gguf_file)
     assert not dense.q8_embed and isinstance(dense.model.embed, torch.nn.Embedding)
     assert torch.equal(got, logits(dense))
     table = dense.model.embed.weight.detach().clone()
-    assert q4.embed_from_head(dense.model, lambda start, stop: table[start:stop])
+    assert llama_load.embed_from_head(dense.model, lambda start, stop: table[start:stop])
     assert isinstance(dense.model.embed, q4.Q8Embedding) and torch.equal(got, logits(dense))
     dense.model.embed = torch.nn.Embedding.from_pretrained(table)
     table[40000, 7] += 1  # one value that is not the blocks' own
-    assert not q4.embed_from_head(dense.model, lambda start, stop: table[start:stop])
+    assert not llama_load.embed_from_head(dense.model, lambda start, stop: table[start:stop])
     assert isinstance(dense.model.embed, torch.nn.Embedding)
 
 
@@ -280,7 +282,7 @@ def test_q8_0_head_reads_back_the_embedding(smollm2_dir, gguf_file):
     from the same file, up to the bfloat16 rounding of each block's scale. A hi half off by
     one (16 times a block's scale) fails it."""
     model = load_decoder(smollm2_dir, torch.bfloat16)
-    assert q4.head_from_gguf(model, gguf_file)
+    assert llama_load.head_from_gguf(model, gguf_file)
     want = load_decoder(smollm2_dir, torch.float32).embed.weight
     eye = torch.eye(model.cfg.hidden_size, dtype=torch.bfloat16)
     with torch.inference_mode():
@@ -297,7 +299,7 @@ def test_q8_0_head_where_it_is_cheaper(smollm2_dir, gguf_file, monkeypatch, ours
     row count. The greedy replies follow each other: the first tokens agree."""
     from transformers import AutoTokenizer
 
-    from caldrix.models import native
+    from caldrix.kernels import native
 
     if ours and not native.has_q4_mm():
         pytest.skip("caldrix::q4_mm is not built on this CPU")
@@ -314,7 +316,7 @@ def test_q8_0_head_where_it_is_cheaper(smollm2_dir, gguf_file, monkeypatch, ours
 
 
 def test_scripted_decode_layers_give_the_eager_bits(smollm2_dir, gguf_file):
-    """models/scripted.py runs a decode-form pass through every 4-bit layer as one TorchScript
+    """kernels/scripted.py runs a decode-form pass through every 4-bit layer as one TorchScript
     call: one row, three slots' rows, and a verify run's rows must give the eager path's logits
     bit for bit, step after step (the KV rows it writes included, since later steps read them).
     And the whole pass as one call (scripted.decode_logits: embedding, layers, norm, Q8_0 head,
@@ -348,12 +350,12 @@ def test_scripted_decode_layers_give_the_eager_bits(smollm2_dir, gguf_file):
 
 
 def test_the_tensor_index_reads_what_the_gguf_package_reads(gguf_file):
-    """models/gguf_index.py skips the metadata values gguf.GGUFReader parses (7 s of the
+    """weights/gguf_index.py skips the metadata values gguf.GGUFReader parses (7 s of the
     tokenizer's strings); every tensor's type, shape and bytes must still be the same."""
     import numpy as np
     from gguf import GGUFReader
 
-    from caldrix.models.gguf_index import read_tensors
+    from caldrix.weights.gguf_index import read_tensors
 
     ours = read_tensors(gguf_file)
     ref = {t.name: t for t in GGUFReader(str(gguf_file)).tensors}
@@ -366,7 +368,7 @@ def test_the_tensor_index_reads_what_the_gguf_package_reads(gguf_file):
 
 
 def test_the_tensor_index_refuses_what_is_not_gguf(tmp_path):
-    from caldrix.models.gguf_index import read_tensors
+    from caldrix.weights.gguf_index import read_tensors
 
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGML" + bytes(20))

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from caldrix.models import commands, gguf, registry, source
-from caldrix.models.source import ModelNotFound, resolve
+from caldrix.weights import commands, gguf, registry, source
+from caldrix.weights.source import ModelNotFound, resolve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -266,7 +266,7 @@ def test_the_converted_directory_is_the_gguf_model(smollm2_dir):
 def test_fetch_without_the_hub_is_one_clear_line(env, reason, tmp_path):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     environ.update(env, HF_HOME=str(tmp_path))
-    code = "from caldrix.models.commands import fetch; raise SystemExit(fetch('smollm2-135m'))"
+    code = "from caldrix.weights.commands import fetch; raise SystemExit(fetch('smollm2-135m'))"
     done = subprocess.run(
         [sys.executable, "-c", code],
         env=environ, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
@@ -298,7 +298,7 @@ def test_models_lists_every_alias_and_what_is_here(smollm2_dir, hf_cache, capsys
 
 def test_the_cli_side_imports_no_torch():
     code = (
-        "import sys, caldrix.models.source, caldrix.models.commands;"
+        "import sys, caldrix.weights.source, caldrix.weights.commands;"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)

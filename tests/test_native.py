@@ -1,4 +1,4 @@
-"""The compiled decode kernels (caldrix/models/attend.cpp) against torch (SDPA, decoder.py's RoPE
+"""The compiled decode kernels (caldrix/kernels/attend.cpp) against torch (SDPA, ops.py's RoPE
 and RMSNorm), and the exactness contract the engine relies on: a row's result never depends on
 its batch mates, their count or the thread count."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from caldrix.models import native
+from caldrix.kernels import native
 
 H, G = 9, 3  # SmolLM2's query and kv heads
 BF16, F32 = torch.bfloat16, torch.float32
@@ -150,7 +150,7 @@ def q4_weights(n, k, seed=3):
 
 @pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536), (960, 576)])
 def test_q4_mm_follows_the_dequantized_weights_and_torchs_kernel(q4_mm, n, k):
-    from caldrix.models import q4
+    from caldrix.kernels import q4
 
     q, d, m, w = q4_weights(n, k)
     qw, dm = q4.q4_mm_layout(q, d, m)
@@ -170,7 +170,7 @@ def test_q4_mm_follows_the_dequantized_weights_and_torchs_kernel(q4_mm, n, k):
 def test_q4_mm_layout_keeps_the_gguf_float16_scales_and_refuses_others():
     """The layout holds d and m as float16 (half the bytes of float32, what a one-row step
     reads most of after the nibbles); that loses nothing only for values that are float16."""
-    from caldrix.models import q4
+    from caldrix.kernels import q4
 
     q, d, m, _ = q4_weights(64, 64)
     _, dm = q4.q4_mm_layout(q, d, m)
@@ -182,7 +182,7 @@ def test_q4_mm_layout_keeps_the_gguf_float16_scales_and_refuses_others():
 
 
 def test_q4_mm_rows_depend_on_themselves_alone(q4_mm):
-    from caldrix.models import q4
+    from caldrix.kernels import q4
 
     # 65 column groups: the prefill path's pairs of groups leave one over. 130 rows: a prefill
     # chunk's worth, which takes that path (more than 8 rows), against calls of up to 8 rows.
@@ -199,7 +199,7 @@ def test_q4_mm_rows_depend_on_themselves_alone(q4_mm):
 
 
 def test_q4_mm_refuses_what_it_cannot_take(q4_mm):
-    from caldrix.models import q4
+    from caldrix.kernels import q4
 
     q, d, m, _ = q4_weights(32, 64)
     qw, dm = q4.q4_mm_layout(q, d, m)
@@ -222,7 +222,7 @@ def q4_mm_f32(op):
 
 @pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536), (968, 576)])
 def test_q4_mm_f32_follows_the_dequantized_weights(q4_mm_f32, n, k):
-    from caldrix.models import q4
+    from caldrix.kernels import q4
 
     q, d, m, w = q4_weights(n, k)
     qw, dm = q4.q4_mm_f32_layout(q, d, m)
@@ -237,7 +237,7 @@ def test_q4_mm_f32_follows_the_dequantized_weights(q4_mm_f32, n, k):
 
 
 def test_q4_mm_f32_rows_depend_on_themselves_alone(q4_mm_f32):
-    from caldrix.models import q4
+    from caldrix.kernels import q4
 
     q, d, m, _ = q4_weights(1032, 576)  # 129 column groups: the interleaved passes leave a tail
     qw, dm = q4.q4_mm_f32_layout(q, d, m)
@@ -251,7 +251,7 @@ def test_q4_mm_f32_rows_depend_on_themselves_alone(q4_mm_f32):
 
 
 def test_q4_mm_f32_refuses_what_it_cannot_take(q4_mm_f32):
-    from caldrix.models import q4
+    from caldrix.kernels import q4
 
     q, d, m, _ = q4_weights(24, 64)
     qw, dm = q4.q4_mm_f32_layout(q, d, m)
@@ -283,7 +283,7 @@ def test_without_the_kernel_the_op_is_the_torch_definition(tmp_path):
     # definition, so the eager and scripted layers have one name to call.
     code = (
         "import torch\n"
-        "from caldrix.models import native\n"
+        "from caldrix.kernels import native\n"
         "assert native.load() is False and native.has_q4_mm() is False and native.has_q4_mm_f32() is False\n"
         "q = torch.randn(2, 9, 64).bfloat16(); k = torch.randn(2, 3, 64).bfloat16(); v = k.clone()\n"
         "K = torch.zeros(2, 3, 16, 64).bfloat16(); V = K.clone()\n"
@@ -315,7 +315,7 @@ def test_a_failed_build_is_a_start_up_note_and_the_ops_still_answer(tmp_path):
     # the compiler's error, and the torch definitions answer the same calls.
     code = (
         "import torch\n"
-        "from caldrix.models import native\n"
+        "from caldrix.kernels import native\n"
         "from caldrix.runtime import kernel_notes\n"
         "assert native.load() is False\n"
         "notes = kernel_notes('cpu')\n"

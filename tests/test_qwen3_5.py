@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM,  # noqa: E402
                           Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig)
 
-from caldrix.models.decoder import Attend  # noqa: E402
+from caldrix.models.base import Attend  # noqa: E402
 from caldrix.models.qwen3_5 import Qwen35, Qwen35Config, load_qwen35  # noqa: E402
 
 VOCAB = 97

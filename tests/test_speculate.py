@@ -243,8 +243,8 @@ def test_sampled_and_penalized_requests_do_not_speculate():
 @pytest.fixture(scope="module")
 def int4_engine(smollm2_dir):
     from caldrix.engine import Engine
-    from caldrix.models import q4
-    from caldrix.models.gguf import source_gguf
+    from caldrix.kernels import q4
+    from caldrix.weights.gguf import source_gguf
 
     if not q4.available():
         pytest.skip("this torch has no int4 CPU matmul")

@@ -1,4 +1,4 @@
-"""caldrix/models/tensor_files.py against safetensors' own reader: the same tensors, every dtype
+"""caldrix/weights/tensor_files.py against safetensors' own reader: the same tensors, every dtype
 a checkpoint uses, across files."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from caldrix.models.tensor_files import TensorFiles
+from caldrix.weights.tensor_files import TensorFiles
 
 
 def test_tensor_files_reads_what_safetensors_wrote(tmp_path):

@@ -1,6 +1,41 @@
-"""Where a model comes from: the registry, MODEL resolution, GGUF conversion, fetch and list.
+"""Architectures, one file each, behind one contract (base.py); where weights come from is
+caldrix/weights/, the compiled kernels caldrix/kernels/.
 
-Everything here ends in a plain Hugging Face directory (config.json, *.safetensors, tokenizer
-files with the chat template) that the rest of the server loads. Importing this package, the
-registry or `source` is cheap: torch and transformers are imported only to convert a GGUF file.
+A new architecture adds its file and one line to ARCHITECTURES: config.json's model_type ->
+the "module:function" that loads it, `load(path, *, dtype, device, int4_from, max_batch,
+int4_rows) -> base.Loaded`. Nothing is imported until a model of that type is loaded.
 """
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+ARCHITECTURES: dict[str, str] = {
+    "llama": "caldrix.models.llama_load:load",
+    "qwen3": "caldrix.models.llama_load:load",
+}
+
+# config.json `architectures` names -> model_type, for configs that name a class only
+CLASS_NAMES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+
+
+def model_type(path: Path) -> str:
+    """The architecture a Hugging Face directory holds, as a key of ARCHITECTURES; ValueError,
+    naming what is supported, where it is none of them."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    found = next((CLASS_NAMES[a] for a in archs if a in CLASS_NAMES), None)
+    if found is None and not archs and raw.get("model_type") in ARCHITECTURES:
+        found = raw["model_type"]  # a config saved without `architectures` (e.g. from a GGUF)
+    if found is None:
+        raise ValueError(f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                         f"this engine runs {', '.join(sorted(ARCHITECTURES))}")
+    return found
+
+
+def loader(path: Path):
+    """The load function for the directory's architecture."""
+    module, name = ARCHITECTURES[model_type(path)].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caldrix.models import gated_delta
-from caldrix.models.decoder import Attend
+from caldrix.models.base import Attend
 from caldrix.models.qwen3_5_state import Qwen35Snapshot, Qwen35State  # noqa: F401 (re-exported)
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
@@ -333,12 +333,12 @@ class Qwen35(nn.Module):
 def load_qwen35(path: Path, dtype: torch.dtype, device="cpu") -> Qwen35:
     """A Qwen35 from a Hugging Face directory (config.json and *.safetensors), in `dtype`.
 
-    Weights are read one at a time (models/tensor_files.py) under `model.language_model.`
+    Weights are read one at a time (weights/tensor_files.py) under `model.language_model.`
     (the composite checkpoint) or `model.` (the text one); the vision tower's and the MTP
     head's are never read. q/k/v, the four linear-layer input projections and gate/up are
     fused into one matmul each; norm weights become float32 scales 1 + w and A_log becomes
     -exp(A_log), both from the `dtype`-rounded weights, as transformers computes them."""
-    from caldrix.models.tensor_files import TensorFiles
+    from caldrix.weights.tensor_files import TensorFiles
 
     path = Path(path)
     cfg = Qwen35Config.from_dir(path)

@@ -13,7 +13,7 @@ import time
 
 from quart import Blueprint, Response, current_app, request
 
-from caldrix.app import json_response
+from caldrix.routes.responses import json_response
 from caldrix.generate import EngineFailed, EngineStopped, GenRequest, QueueFull, pieces, submit
 from caldrix.protocol import FinishReason
 from caldrix.routes import backoff, sse

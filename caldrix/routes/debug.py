@@ -18,7 +18,7 @@ from typing import AsyncIterator
 import orjson
 from quart import Blueprint, Response, current_app, g, request
 
-from caldrix.app import json_response
+from caldrix.routes.responses import json_response
 from caldrix.generate import EngineFailed, EngineStopped, GenRequest, Piece
 from caldrix.metrics import CONTENT_TYPE
 from caldrix.protocol import FinishReason

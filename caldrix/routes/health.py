@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from quart import Blueprint, Response, current_app
 
-from caldrix.app import json_response
 from caldrix.routes.errors import ApiError
+from caldrix.routes.responses import json_response
 
 bp = Blueprint("health", __name__)
 

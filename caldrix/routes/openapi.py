@@ -203,7 +203,7 @@ def _version() -> str:
 
 @bp.get("/openapi.json")
 async def openapi_json():
-    from caldrix.app import json_response
+    from caldrix.routes.responses import json_response
     from caldrix.routes.completions import limits
 
     rt = current_app.extensions["caldrix"][0]

@@ -20,7 +20,7 @@ import logging
 import trio
 from quart import Blueprint, current_app, g, request
 
-from caldrix.app import json_response
+from caldrix.routes.responses import json_response
 from caldrix.generate import EngineStopped, GenRequest, QueueFull, submit
 from caldrix.protocol import FinishReason, SamplingParams
 from caldrix.routes.debug import refuse

@@ -245,6 +245,9 @@ class Scheduler:
 
     def _closed(self, seq: Sequence) -> None:
         seq.sub.events.close()
+        if seq.sub.embeds and hasattr(self.engine, "drop_embeddings"):
+            # no step of seq is in flight here: it finished, was dropped settled, or never ran
+            self.engine.drop_embeddings({e.key for e in seq.sub.embeds})
         if self.on_finish is not None:
             self.on_finish(seq)
 

@@ -139,6 +139,7 @@ class Policy:
             sampling=seq.sub.sampling,
             draw_index=0,
             read_ids=seq.sub.read_ids if last else (),
+            embeds=tuple(e for e in seq.sub.embeds if e.start < end and start < e.start + e.count),
         )
 
     def postprocess(self, work: Work, out: StepOutput) -> list[tuple[Sequence, TokenEvent]]:

@@ -7,7 +7,7 @@ of our own).
   "caldrix prefill", a thread at a low priority (nice 10). A chunk beside decode shares two
   cores with the decode step, the event loop and the clients; at a low priority it is the one
   those preempt when they wake, not the decode step, so the running streams' tokens keep their
-  pace (docs/performance.md, "The beside-chunk thread at a low priority": the mixed row's
+  pace (docs/performance-history.md, "The beside-chunk thread at a low priority": the mixed row's
   p99/p50 at a median of 1.9-2.0 over rounds against 2.1-2.2, the newcomer's TTFT unchanged).
 - The valve: a chunk that got less than half a core while it ran (`time.thread_time` against
   the wall clock) means something else busy shares the machine, and at a low priority the

@@ -3,6 +3,12 @@
 Pure Python; the tensors live in the engine. A slot whose request ended keeps its rows ("held")
 so that a later request with the same prefix can skip recomputing them, as llama-server's slot
 reuse does.
+
+Two kinds of model state (the engine's `reuses_rows`): attention-only models keep a row per
+position, so a held slot serves any common prefix of a new prompt; a model with a recurrent
+state (a running summary of every token so far) can restart only where the state was kept,
+which for a held slot is the end of what it computed: it serves a prompt that starts with the
+whole of its held tokens, and a slot whose tokens diverge mid-prefix starts over.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 @attrs.define
 class SlotTable:
     num_slots: int
+    reuse_rows: bool = True  # False: a held slot is reused only whole (a recurrent state)
     held: list[tuple[int, ...]] = attrs.field(init=False)
     busy: list[bool] = attrs.field(init=False)
     _clock: int = attrs.field(init=False, default=0)
@@ -50,13 +57,23 @@ class SlotTable:
         if not free:
             return None
         if reuse:
-            slot = max(free, key=lambda s: (common_prefix(self.held[s], prompt), -self._last_used[s]))
-            rows = min(common_prefix(self.held[slot], prompt), len(prompt) - 1)
+            slot = max(free, key=lambda s: (self._reusable(s, prompt), -self._last_used[s]))
+            rows = self._reusable(slot, prompt)
         else:
             slot, rows = min(free, key=lambda s: self._last_used[s]), 0
         self.busy[slot] = True
         self.held[slot] = prompt[:rows]
         return slot, rows
+
+    def _reusable(self, slot: int, prompt: tuple[int, ...]) -> int:
+        """Rows of `prompt` that free `slot` can skip: its common prefix with what the slot holds,
+        short of the prompt's last token; where the state is recurrent, all the held tokens or
+        none."""
+        held = self.held[slot]
+        common = common_prefix(held, prompt)
+        if not self.reuse_rows:
+            return common if common == len(held) and common <= len(prompt) - 1 else 0
+        return min(common, len(prompt) - 1)
 
     def release(self, slot: int, held: tuple[int, ...]) -> None:
         """Free `slot`; its first len(held) rows stay valid for reuse."""

@@ -7,7 +7,7 @@ them to sleep at once, so each of a decode step's ~150 parallel kernel calls pay
 (about 50 us each on a 2-core VM: a one-row step took 12-14 ms instead of 4.7-5.6). trio hands a
 job to whichever cached thread is idle, so the model load, the decode lane and the prefill lane
 could each grow a team, and a server ran fast or slow by which thread had run what: 8 streams
-at 308-323 or 535-555 tok/s (docs/performance.md, "one OpenMP team"). With the load on a thread
+at 308-323 or 535-555 tok/s (docs/performance-history.md, "one OpenMP team"). With the load on a thread
 that ends with it, one StepThread for all other work that uses every core (decode steps, chunks
 run alone) and others for chunks beside decode (one thread: no team), libgomp counts exactly
 the cores.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from caldrix.models import gguf, registry, source
+from caldrix.weights import gguf, registry, source
 
 # What a model needs, and nothing else a repository may carry (onnx exports, .bin copies,
 # GGUF variants). "*.json" takes config, tokenizer, processor and generation files, and the

@@ -9,21 +9,18 @@ CPU without native bfloat16. torch's int4 weight-only kernel computes w = (q - 8
 zero per group, so the GGUF's q values go in unchanged with scale = d and zero = m + 8 d, rounded to bfloat16, the
 kernel's dtype; it serves a bfloat16 engine where q4_mm is not built.
 
-llama.cpp's converter stores the q and k projections with their rows permuted (for its
-interleaved RoPE); rows move whole, blocks and all, so undoing it is a row gather.
+This file holds the blocks and the layers that multiply by them; which of a model's weights
+become such layers, read from which GGUF tensors, is the architecture's loader's business
+(models/llama_load.py).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from caldrix.models import native
-from caldrix.models.gguf_index import read_tensors
+from caldrix.kernels import native
 
 GROUP = 32
 Q4_1 = 3  # ggml type id
@@ -72,7 +69,7 @@ def unpack_q4_1(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor,
 def unpack_q8_0(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """raw: uint8 [N, blocks * 34] -> q int8 [N, K], d float32 [N, blocks]. int8, not int32: for
     SmolLM2's 49152 x 576 head an int32 q and the temporaries made from it were most of
-    loading's peak memory (docs/performance.md)."""
+    loading's peak memory (docs/performance-history.md)."""
     n = raw.shape[0]
     blocks = raw.reshape(n, cols // GROUP, Q8_0_BYTES)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -80,18 +77,12 @@ def unpack_q8_0(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.from_numpy(q), torch.from_numpy(d)
 
 
-def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
-    """Index that undoes llama.cpp's q/k row permutation: hf = gguf[index]."""
-    perm = torch.arange(n_rows).reshape(n_head, 2, n_rows // n_head // 2).transpose(1, 2).reshape(-1)
-    return torch.argsort(perm)
-
-
 # Rows per call up to which torch's int4 kernel is used where an Int4Linear keeps dense weights
-# beside its blocks (only torch's kernel does); the engine sets it to --max-batch, so every
+# beside its blocks (only torch's kernel does); the loader sets it to --max-batch, so every
 # decode step takes the 4-bit path and prefill chunks the dense one. Measured on 2 cores (bf16,
 # one thread, SmolLM2's gate/up projection): 4-bit 70/135/265 us at 1/4/8 rows against dense
 # 153/165/203 us; at 128-row prefill chunks 540 tokens/s against the dense 930. caldrix's own
-# kernels take every call: at 128 rows as fast as the dense matmul (docs/performance.md).
+# kernels take every call: at 128 rows as fast as the dense matmul (docs/performance-history.md).
 MAX_INT4_ROWS = 8
 
 
@@ -130,45 +121,6 @@ def q4_mm_f32_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple
     return qw, dm.contiguous()
 
 
-def script_decode_rows(model: nn.Module) -> bool:
-    """Where every layer's four projections are 4-bit and no layer has q/k norms, give the
-    model the scripted decode path through all its layers (models/scripted.py). Whether it did."""
-    from caldrix.models import scripted
-
-    projections = [m for b in model.layers for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)]
-    if not all(b.q_norm is None for b in model.layers) or not all(isinstance(m, Int4Linear) for m in projections):
-        return False
-    if len({m.ours for m in projections}) != 1:
-        return False  # the stack names one kernel for every projection
-    fn = scripted.compile_stack()
-    if fn is None:
-        return False
-    model.stack_fn, model.stack_weights = fn, scripted.stack_weights(model.layers)
-    return True
-
-
-def script_decode_logits(model: nn.Module) -> bool:
-    """Where the decode layers are scripted and the head is Q8_0 blocks through the same kernel,
-    give the model the whole decode pass, head and arg-max included, as one TorchScript call
-    (scripted.decode_logits). Whether it did."""
-    from caldrix.models import scripted
-
-    head = scripted.head_weights(model.head)
-    if model.stack_fn is None or head is None or model.head.ours != model.layers[0].wqkv.ours:
-        return False
-    fn = scripted.compile_stack(scripted.decode_logits)
-    if fn is None:
-        return False
-    model.logits_fn, model.head_weights = fn, head
-    return True
-
-
-def set_max_int4_rows(model: nn.Module, rows: int) -> None:
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            module.max_int4_rows = rows
-
-
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, ours: bool) -> torch.Tensor:
     """x [T, K] -> [T, N], x's dtype, through the kernel the weights were laid out for: with
     `ours`, caldrix's own for x's dtype (q4_mm for bfloat16, q4_mm_f32 for float32; contiguous x
@@ -195,7 +147,7 @@ def layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as packed 4-bit groups (activations of `dtype`).
 
-    `ours`: the weights are laid out for caldrix's kernel for `dtype` (q4_mm, models/q4mm.cpp,
+    `ours`: the weights are laid out for caldrix's kernel for `dtype` (q4_mm, kernels/q4mm.cpp,
     for bfloat16; q4_mm_f32, q4mm_f32.cpp, for float32), else for torch's int4 weight-only
     kernel (bfloat16 only); `packed` and `scale_zero` hold that kernel's operands either way. An
     engine picks one kernel for all its layers (quantize_from_gguf): the two round differently.
@@ -287,22 +239,6 @@ class Q8AsInt4Linear(nn.Module):
         return hi.float() + int4_mm(x, self.lo_packed, self.lo_scale_zero, self.ours).float()
 
 
-def head_from_gguf(model: nn.Module, gguf_path: Path) -> bool:
-    """Give the model a Q8AsInt4Linear lm_head where the GGUF holds it (or the tied embedding)
-    as Q8_0. Returns whether it did; the dense head stays otherwise."""
-    tensors = read_tensors(gguf_path)
-    t = tensors.get("token_embd.weight") if model.cfg.tie_embeddings else tensors.get("output.weight")
-    if t is None or int(t.tensor_type) != Q8_0:
-        return False
-    q, d = unpack_q8_0(t.data, int(t.shape[0]))
-    dtype = model.norm.weight.dtype
-    ours = getattr(model, "int4_ours", False) and ours_fits(*q.shape, dtype)
-    if dtype != torch.bfloat16 and not ours:
-        return False
-    model.head = Q8AsInt4Linear(q, d, ours=ours, dtype=dtype)
-    return True
-
-
 class Q8Embedding(nn.Module):
     """A tied embedding served from the Q8_0 head's blocks (caldrix::q8_rows, q4mm.cpp): token
     ids [T] -> bfloat16 rows [T, D], the same bits as the dense table it replaces
@@ -322,107 +258,3 @@ class Q8Embedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.caldrix.q8_rows(token_ids, *self.operands)
-
-
-def embed_from_head(model: nn.Module, dense_rows: Callable[[int, int], torch.Tensor]) -> bool:
-    """Serve a tied embedding from the Q8_0 head's blocks (model.embed becomes a Q8Embedding),
-    where the head runs on caldrix::q4_mm and every row read back equals the dense table's bits
-    (they do for a GGUF dequantized to float32 and cast to bfloat16). `dense_rows(start, stop)`
-    gives the dense table's rows, read a slice at a time, so the whole table is never held.
-    Whether it did; where not, model.embed is left as it was."""
-    head, cfg = model.head, model.cfg
-    if not (cfg.tie_embeddings and isinstance(head, Q8AsInt4Linear) and head.ours
-            and model.norm.weight.dtype == torch.bfloat16 and native.has_q4_mm()):
-        return False
-    q8 = Q8Embedding(head)
-    if (q8.num_embeddings, q8.embedding_dim) != (cfg.vocab_size, cfg.hidden_size):
-        return False
-    with torch.inference_mode():
-        for i in range(0, q8.num_embeddings, HEAD_SLICE):
-            stop = min(i + HEAD_SLICE, q8.num_embeddings)
-            if not torch.equal(q8(torch.arange(i, stop)), dense_rows(i, stop)):
-                return False
-    model.embed = q8
-    return True
-
-
-# A decoder layer's fused projections and the GGUF tensors each is made of, in order.
-PROJECTIONS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
-               "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
-
-
-def plan_4bit(gguf_path: Path, num_layers: int, dtype: torch.dtype) -> tuple[bool, list[tuple[int, str]]]:
-    """From the GGUF's tensor index alone, nothing unpacked: (whether caldrix's own kernel will
-    run the 4-bit layers, the (layer, projection) pairs whose tensors are all Q4_1 and so become
-    Int4Linear). One kernel serves every 4-bit layer: caldrix's where it is built for `dtype`
-    and takes every shape, else torch's (bfloat16 only; a float32 model then stays dense)."""
-    tensors = read_tensors(gguf_path)
-
-    def all_q4(i: int, proj: str) -> bool:
-        ts = [tensors.get(f"blk.{i}.{n}.weight") for n in PROJECTIONS[proj]]
-        return all(t is not None and int(t.tensor_type) == Q4_1 for t in ts)
-
-    def fits(i: int, proj: str) -> bool:  # a projection that stays dense has no say in the kernel
-        ts = [tensors[f"blk.{i}.{n}.weight"] for n in PROJECTIONS[proj]]
-        return ours_fits(sum(int(t.shape[1]) for t in ts), int(ts[0].shape[0]), dtype)  # gguf shapes are [K, N]
-
-    pairs = [(i, proj) for i in range(num_layers) for proj in PROJECTIONS if all_q4(i, proj)]
-    ours = ours_built(dtype) and all(fits(i, proj) for i, proj in pairs)
-    if dtype != torch.bfloat16 and not ours:
-        return False, []  # dense weights throughout
-    return ours, pairs
-
-
-def dense_not_kept(gguf_path: Path, num_layers: int, dtype: torch.dtype, tied: bool = False) -> frozenset[str]:
-    """The Decoder state names (layers.<i>.<projection>.weight) that quantize_from_gguf will
-    replace without keeping a dense copy, so a loader need not read them (load_decoder's
-    `skip`). Through caldrix's kernels every call takes the 4-bit blocks, prefill chunks too;
-    torch's int4 kernel is slower than the dense matmul for long chunks, so there the dense
-    weights stay beside the blocks. And embed.weight, where a `tied` embedding is the GGUF's
-    Q8_0 blocks and q4_mm will run the head: embed_from_head then serves it (checked against
-    the table read back in slices), else the caller reads the table after all."""
-    ours, pairs = plan_4bit(gguf_path, num_layers, dtype)
-    if not ours:
-        return frozenset()
-    names = {f"layers.{i}.{proj}.weight" for i, proj in pairs}
-    embd = read_tensors(gguf_path).get("token_embd.weight")
-    if (tied and dtype == torch.bfloat16 and embd is not None and int(embd.tensor_type) == Q8_0
-            and ours_fits(int(embd.shape[1]), int(embd.shape[0]), dtype)):
-        names.add("embed.weight")
-    return frozenset(names)
-
-
-def quantize_from_gguf(model: nn.Module, gguf_path: Path) -> int:
-    """Swap the model's projection layers for Int4Linear where the GGUF holds them as Q4_1.
-
-    Returns how many layers were swapped; a layer whose tensors are of another type keeps its
-    dense weights. The model must be the Decoder loaded from the same file's conversion (its
-    projections may be load_decoder's placeholders where `dense_not_kept` named them). Through
-    caldrix's kernels the dense weights are dropped (prefill chunks take the 4-bit blocks too);
-    through torch's they stay for calls of more than `max_int4_rows` rows."""
-    cfg = model.cfg
-    tensors = read_tensors(gguf_path)
-    dtype = model.norm.weight.dtype
-    ours, pairs = plan_4bit(gguf_path, len(model.layers), dtype)
-    model.int4_ours = ours
-
-    def q4(name: str, heads: int | None = None):
-        t = tensors[name]
-        cols = int(t.shape[0])  # gguf shapes are [K, N]
-        q, d, m = unpack_q4_1(t.data, cols)
-        if heads is not None:
-            idx = unpermute_rows(q.shape[0], heads)
-            q, d, m = q[idx], d[idx], m[idx]
-        return q, d, m
-
-    permute = cfg.arch == "llama"  # llama.cpp permutes q/k only for its llama family
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if permute else {}
-    swapped = 0
-    for i, proj in pairs:
-        layer = model.layers[i]
-        dense = getattr(layer, proj)
-        parts = [q4(f"blk.{i}.{n}.weight", heads.get(n)) for n in PROJECTIONS[proj]]
-        keep = None if ours else dense.weight
-        setattr(layer, proj, Int4Linear(*(torch.cat(xs) for xs in zip(*parts)), dense=keep, ours=ours, dtype=dtype))
-        swapped += 1
-    return swapped

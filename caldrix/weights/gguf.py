@@ -117,7 +117,7 @@ def _export(src: Path, out: Path, say: _Progress) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from caldrix.models.source import ModelNotFound
+    from caldrix.weights import ModelNotFound
 
     try:
         say("1/4 reading the tokenizer")

@@ -5,7 +5,7 @@ each call that is not a matmul costs a few microseconds of Python, whatever its 
 `decode_rows` makes the same ATen calls in the same order as `Block.forward` on its decode
 path, with `Int4Linear` inlined, and `decode_stack` runs it for every layer, so a pass is one
 call from Python and TorchScript's interpreter runs the rest: the same bits (tests/test_int4.py
-compares them), and less time a step (docs/performance.md).
+compares them), and less time a step (docs/performance-history.md).
 
 It is taken only where it is exact by construction: decode-form passes (decode steps and
 speculative verifies) of at most the rows that take the 4-bit kernel, layers without Qwen3's
@@ -13,7 +13,7 @@ q/k norms, every projection an `Int4Linear`.
 torch.jit is deprecated in favour of torch.compile, which fuses elementwise work and so changes
 bf16 rounding; if scripting fails, `compile_stack` returns None and the eager path runs.
 
-Shapes as in decoder.py: D hidden, H query heads, G kv heads, E head dim, C context rows.
+Shapes as in models/llama.py: D hidden, H query heads, G kv heads, E head dim, C context rows.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from caldrix.models.q4 import int4_mm
+from caldrix.kernels.q4 import int4_mm
 
 log = logging.getLogger("caldrix.engine")
 
@@ -53,7 +53,7 @@ def decode_rows(x: Tensor, in_w: Tensor, post_w: Tensor, eps: float, qkv_p: Tens
     qk, v = qkv.split([(h + g) * e, g * e], dim=-1)
     qk = qk.view(T, h + g, e)
     v = v.view(T, g, e)
-    qk = qk * cos + qk.roll(e // 2, dims=-1) * sin  # decoder.apply_rope
+    qk = qk * cos + qk.roll(e // 2, dims=-1) * sin  # ops.apply_rope
     q, k = qk[:, :h], qk[:, h:]
     if T == 1 and lengths[0] > 0:
         s, n = slots[0], lengths[0]
@@ -102,7 +102,7 @@ def decode_logits(ids: Tensor, embed: List[Tensor], rope_cos: Tensor, rope_sin: 
     Decoder.forward, `decode_stack`, the final norm of Decoder.logits and the Q8_0 head's two
     halves (q4.Q8AsInt4Linear, `head` = hi packed, hi scales, lo packed, lo scales), the same
     calls in the same order. One call from Python a step: the step thread then wins the GIL
-    back from the event loop once, not once per call (docs/performance.md, "the event loop's
+    back from the event loop once, not once per call (docs/performance-history.md, "the event loop's
     share and the GIL")."""
     if len(embed) == 1:  # the dense table
         x = F.embedding(ids, embed[0])
@@ -112,7 +112,7 @@ def decode_logits(ids: Tensor, embed: List[Tensor], rope_cos: Tensor, rope_sin: 
     sin = rope_sin[positions].to(x.dtype).unsqueeze(1)
     x = decode_stack(x, weights, eps, Ks, Vs, slots, lengths, slot_index, write_rows, cos, sin, h, g, e, scale,
                      native, ours)
-    hn = (norm_w * F.rms_norm(x.float(), [x.shape[1]], None, eps).to(x.dtype)).contiguous()  # decoder.rms_norm
+    hn = (norm_w * F.rms_norm(x.float(), [x.shape[1]], None, eps).to(x.dtype)).contiguous()  # ops.rms_norm
     hi = int4_mm(hn, head[0], head[1], ours)
     logits = hi.float() + int4_mm(hn, head[2], head[3], ours).float()
     return logits, torch.argmax(logits, dim=-1)
@@ -129,7 +129,7 @@ def stack_weights(layers) -> list[Tensor]:
 
 def compile_stack(fn=decode_stack):
     """The scripted `decode_stack` (or `decode_logits`), or None where torch.jit cannot script it."""
-    from caldrix.models import native
+    from caldrix.kernels import native
 
     native.load()  # caldrix::decode_attend must exist, compiled or not, for the script to name it
     try:
@@ -143,7 +143,7 @@ def compile_stack(fn=decode_stack):
 
 def head_weights(head) -> list[Tensor] | None:
     """`decode_logits`'s head operands for a q4.Q8AsInt4Linear, else None."""
-    from caldrix.models.q4 import Q8AsInt4Linear
+    from caldrix.kernels.q4 import Q8AsInt4Linear
 
     if not isinstance(head, Q8AsInt4Linear):
         return None

@@ -3,7 +3,7 @@
 Why not safetensors' own `safe_open`: it maps the whole file, and every page read through the
 mapping counts in the process's resident memory until the file is closed, so reading SmolLM2's
 540 MB float32 file to build a bfloat16 model held the file and the model at once (a 1053 MiB
-peak for an engine that then holds about 800; docs/performance.md). Here each tensor is read
+peak for an engine that then holds about 800; docs/performance-history.md). Here each tensor is read
 into memory of its own, which the caller casts and drops.
 
 The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header size,

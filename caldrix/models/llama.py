@@ -1,8 +1,10 @@
 """Plain torch decoders for the llama family: Llama (SmolLM2) and Qwen3 (per-head q/k RMSNorm).
 
-The model never sees a request, a scheduler or a server. It is called with packed token rows and
-an explicit `Attend` plan saying which KV slot and position each row belongs to. KV storage is a
-`KVCache` the engine allocates once and passes in.
+The first implementation of the model contract (models/base.py): called with packed token rows
+and an explicit `Attend` plan saying which KV slot and position each row belongs to; its state
+is a `KVCache` the engine allocates once (`Decoder.new_state`) and passes in. Loading, from a
+Hugging Face directory and a GGUF's 4-bit blocks, is models/llama_load.py; the compiled decode
+kernels and the scripted decode pass it may take are caldrix/kernels/.
 
 Shapes: T packed rows, D hidden, H query heads, G kv heads, E head dim, S slots, C context rows.
 """
@@ -18,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from caldrix.models.q4 import Q8Embedding
+from caldrix.kernels import native
+from caldrix.kernels.ops import apply_rope, rms_norm
+from caldrix.kernels.q4 import Q8Embedding
+from caldrix.models.base import Attend, KVCache, input_rows
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
@@ -72,55 +77,6 @@ class DecoderConfig:
         )
 
 
-class KVCache:
-    """K and V rows for `num_slots` sequences of `rows` positions, allocated once.
-
-    Layout per layer: [S, G, C, E]. The rows start uninitialized: attention reads a slot's
-    rows only below the positions written into it (prefill up to its own rows, decode up to
-    its length, padding rows none), so no value there is ever read. Zeroing them cost 7 s of
-    start-up at --max-batch 8 and the default 8192 rows (3 GiB of float32 touched at once);
-    left empty, the OS maps the pages as rows are first written. tests/test_engine.py fills
-    them with NaN to check nothing reads them."""
-
-    def __init__(self, cfg: DecoderConfig, num_slots: int, rows: int, dtype: torch.dtype, device):
-        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, rows, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.rows = rows
-        self.num_slots = num_slots
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def copy_rows(self, src: int, dst: int, n: int) -> None:
-        """Copy the first n rows of slot src into slot dst (all layers)."""
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-
-
-@attrs.frozen
-class Attend:
-    """Where the T rows of one forward pass live in the KV cache.
-
-    Two forms, one per call:
-    - decode: one row per slot in `slots`, at `positions` [T]; `lengths` [T] is each row's
-      visible key count (position + 1). A padding row has length 0: it writes into the
-      engine's scratch slot and its attention output is zero.
-    - prefill: T rows of one slot at positions start..start+T-1 (`slots` = (slot,)).
-    """
-
-    kind: str  # "decode" | "prefill"
-    slots: tuple[int, ...]
-    positions: torch.Tensor  # [T] int64: RoPE positions
-    write_rows: torch.Tensor  # [T] int64: KV row each token is written to
-    lengths: tuple[int, ...] = ()  # decode only
-    slot_index: torch.Tensor | None = None  # decode only: torch.tensor(slots), built once per pass
-    # decode only: attend with the compiled caldrix::decode_attend (models/native.py). The
-    # engine sets it for all its decode passes or none, since its bits are not SDPA's.
-    native: bool = False
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -129,11 +85,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # fp32 statistics, as the reference does, then back to the activation dtype
-    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
 def rope_tables(cfg: DecoderConfig, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,14 +97,6 @@ def rope_tables(cfg: DecoderConfig, rows: int, device) -> tuple[torch.Tensor, to
     sin = emb.sin()
     sin[:, : cfg.head_dim // 2].neg_()
     return emb.cos().to(device), sin.to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, E]; cos, sin: [T, 1, E] in x's dtype, sin's first half negated.
-    # rotate_half(x) * sin_ref = cat(-x2, x1) * sin_ref = roll(x, E/2) * sin: the same products
-    # (a sign moves from one factor to the other, exactly), in 4 ops instead of 7; at one row
-    # that is about 13 us a layer of dispatch.
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Block(nn.Module):
@@ -195,10 +138,10 @@ class Block(nn.Module):
         return x + self.w_down(F.silu(gate) * up)
 
     def _decode_native(self, x, cos, sin, at: Attend, kv: KVCache) -> torch.Tensor:
-        """The decode form with the compiled kernels (models/attend.cpp): RMSNorm, and RoPE with
+        """The decode form with the compiled kernels (kernels/attend.cpp): RMSNorm, and RoPE with
         the attention, one call each, where the general form makes about 20 small torch calls.
         The RoPE is torch's bits; the norm's float sum runs in an order of its own. The scripted
-        stack (models/scripted.py) makes the same calls in the same order."""
+        stack (kernels/scripted.py) makes the same calls in the same order."""
         cfg, ops = self.cfg, torch.ops.caldrix
         K, V = kv.k[self.index], kv.v[self.index]
         qkv = self.wqkv(ops.decode_norm(x, self.input_norm.weight, cfg.rms_norm_eps))  # [T, (H+2G)E]
@@ -253,11 +196,16 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
+    """The llama family as a models/base.py Model: attention-only, so its state is a KVCache
+    and a slot's rows can be reused up to any common prefix."""
+
+    reuses_rows = True
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
-        # token ids -> rows: dense, or read from the Q8_0 head's blocks (q4.embed_from_head).
-        # Given its weight, nn.Embedding skips its random init: under load_decoder's meta device
+        # token ids -> rows: dense, or read from the Q8_0 head's blocks (llama_load.embed_from_head).
+        # Given its weight, nn.Embedding skips its random init: under llama_load's meta device
         # that init (normal_) imports some 800 modules of torch's meta kernels, 67 MB for good.
         self.embed: nn.Embedding | Q8Embedding = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -265,22 +213,38 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head: nn.Module | None = None  # a quantized stand-in for the lm_head: hidden -> fp32 logits
-        # scripted.decode_stack and its weights, set by the engine when every layer is 4-bit
+        # scripted.decode_stack and its weights, set by the loader when every layer is 4-bit
         # llama: a decode-form pass through all layers as one TorchScript call.
         self.stack_fn = None
         self.stack_weights: list[torch.Tensor] = []
-        # scripted.decode_logits and the Q8_0 head's operands, set by the engine where the stack
+        # scripted.decode_logits and the Q8_0 head's operands, set by the loader where the stack
         # is and the head is Q8_0 blocks: the whole decode pass, head and arg-max, as one call.
         self.logits_fn = None
         self.head_weights: list[torch.Tensor] = []
         self.cos = self.sin = None  # set by setup_rope
 
+    @classmethod
+    def new_state(cls, cfg: DecoderConfig, num_slots: int, rows: int, dtype: torch.dtype, device) -> KVCache:
+        return KVCache(cfg, num_slots, rows, dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def setup(self, rows: int) -> None:
+        """The RoPE tables for `rows` positions."""
+        self.setup_rope(rows)
+
     def setup_rope(self, rows: int) -> None:
         self.cos, self.sin = rope_tables(self.cfg, rows, self.norm.weight.device)
 
+    def uses_native(self, device) -> bool:
+        """Whether decode-form passes take the compiled kernels (kernels/native.py)."""
+        return native.usable(self.dtype, self.cfg.head_dim, device)
+
     def forward(self, token_ids: torch.Tensor, at: Attend, kv: KVCache) -> torch.Tensor:
         """token_ids [T] -> final hidden states [T, D] (before the last norm)."""
-        x = self.embed(token_ids)
+        x = input_rows(self.embed, token_ids, at)
         dtype = x.dtype
         cos = self.cos[at.positions].to(dtype).unsqueeze(1)  # [T, 1, E]
         sin = self.sin[at.positions].to(dtype).unsqueeze(1)
@@ -298,7 +262,8 @@ class Decoder(nn.Module):
         """A decode-form pass straight to (fp32 logits [T, V], their arg-max [T]) as one scripted
         call, the same bits as logits(forward(...)); None where that call is not set up or the
         rows exceed the 4-bit kernel's (the caller then takes forward and logits)."""
-        if self.logits_fn is None or at.kind != "decode" or token_ids.shape[0] > self.layers[0].wqkv.max_int4_rows:
+        if (self.logits_fn is None or at.kind != "decode" or at.embeds is not None
+                or token_ids.shape[0] > self.layers[0].wqkv.max_int4_rows):
             return None
         cfg = self.cfg
         embed = self.embed.operands if isinstance(self.embed, Q8Embedding) else [self.embed.weight]
@@ -314,92 +279,3 @@ class Decoder(nn.Module):
             return self.head(self.norm(hidden))
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(hidden), w).float()
-
-
-def load_decoder(path: Path, dtype: torch.dtype, device="cpu", skip: frozenset[str] = frozenset()) -> Decoder:
-    """Build a Decoder from a Hugging Face directory, fusing q/k/v and gate/up on the way.
-
-    Tensors are read one at a time (models/tensor_files.py) and cast to `dtype` as they come,
-    so loading never holds the file's float32 weights beside their cast copies: reading the
-    whole float32 state first made loading SmolLM2 peak at 1340 MiB for an engine that then
-    holds about 800 (docs/performance.md). Casting pieces before concatenating them gives the
-    same values.
-
-    `skip`: weights not to read at all, projections (layers.<i>.<wqkv|wo|w_gate_up|w_down>.weight)
-    or the embedding (embed.weight); their modules are Pending placeholders, for the caller to
-    replace before any forward (the 4-bit load, q4.dense_not_kept: reading them only to drop
-    them made loading's peak memory)."""
-    cfg = DecoderConfig.from_dir(path)
-    with _tensor_files(path) as hf:
-
-        def take(name: str) -> torch.Tensor:
-            return hf.get(_stored_name(hf, name, path)).to(dtype)
-
-        ours: dict[str, torch.Tensor] = {"norm.weight": take("norm.weight")}
-        if "embed.weight" not in skip:
-            ours["embed.weight"] = take("embed_tokens.weight")
-        if not cfg.tie_embeddings:
-            ours["lm_head.weight"] = take("lm_head.weight")
-        for i in range(cfg.num_layers):
-            p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-            ours[p + "input_norm.weight"] = take(p + "input_layernorm.weight")
-            ours[p + "post_norm.weight"] = take(p + "post_attention_layernorm.weight")
-            parts = {"wqkv": (a + "q_proj", a + "k_proj", a + "v_proj"), "wo": (a + "o_proj",),
-                     "w_gate_up": (m + "gate_proj", m + "up_proj"), "w_down": (m + "down_proj",)}
-            for proj, names in parts.items():
-                if p + proj + ".weight" not in skip:
-                    ours[p + proj + ".weight"] = torch.cat([take(n + ".weight") for n in names])
-            if cfg.arch == "qwen3":
-                ours[p + "q_norm.weight"] = take(a + "q_norm.weight")
-                ours[p + "k_norm.weight"] = take(a + "k_norm.weight")
-    with torch.device("meta"):
-        model = Decoder(cfg)
-    missing, unexpected = model.load_state_dict(ours, strict=False, assign=True)
-    if unexpected or set(missing) != set(skip):
-        raise RuntimeError(f"loading {path}: unexpected weights {sorted(unexpected)[:3]}, "
-                           f"missing {sorted(set(missing) ^ set(skip))[:3]}")
-    for name in skip:
-        if name == "embed.weight":
-            model.embed = Pending(cfg.vocab_size, cfg.hidden_size)
-            continue
-        owner, proj, _ = name.rsplit(".", 2)
-        linear = getattr(model.get_submodule(owner), proj)
-        setattr(model.get_submodule(owner), proj, Pending(linear.out_features, linear.in_features))
-    return model.to(device).eval().requires_grad_(False)
-
-
-def _tensor_files(path: Path):
-    from caldrix.models.tensor_files import TensorFiles
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    return TensorFiles(files)
-
-
-def _stored_name(hf, name: str, path: Path) -> str:
-    for prefix in ("model.", ""):
-        if prefix + name in hf:
-            return prefix + name
-    raise KeyError(f"weight {name} missing from {path}")
-
-
-def read_embedding(path: Path, dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """The token embedding of a Hugging Face directory cast to `dtype`, whole or only rows
-    start..stop-1: for a loader that skipped it (load_decoder's `skip`) and reads it back in
-    slices to check another source of the same rows, or whole where that source is not taken."""
-    with _tensor_files(path) as hf:
-        return hf.get(_stored_name(hf, "embed_tokens.weight", path), rows).to(dtype)
-
-
-class Pending(nn.Module):
-    """A projection or the embedding whose weights load_decoder did not read: the 4-bit load
-    replaces it (q4.quantize_from_gguf; Engine.load for the embedding). Running one means that
-    never happened."""
-
-    def __init__(self, out_features: int, in_features: int):
-        super().__init__()
-        self.out_features, self.in_features = out_features, in_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("a module whose weights were never loaded ran")

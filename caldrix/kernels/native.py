@@ -5,7 +5,7 @@ and cached.
 in this process and says whether they are the compiled kernels. Where they cannot be compiled
 (no C++ compiler, a failed build, or CALDRIX_NATIVE=0), it falls back to torch definitions of
 the same ops with the same contracts (one scaled_dot_product_attention call a row; the RMSNorm
-of decoder.py), so callers, TorchScript included, have one name to call either way. Which one
+of ops.py), so callers, TorchScript included, have one name to call either way. Which one
 runs is decided once a process: an engine's decode passes all use one of them, so a reply
 never depends on which was picked for which step.
 
@@ -123,7 +123,7 @@ _stubs = []  # keeps the stub registrations alive
 def _define_q4_mm_stub(name: str) -> None:
     """caldrix::q4_mm or q4_mm_f32 where its source was not built (the CPU lacks AVX512-BF16,
     or AVX2, FMA and F16C, or there are no kernels at all): the name must exist for the scripted
-    layers (models/scripted.py), which only call it where `has_q4_mm()` or `has_q4_mm_f32()`
+    layers (kernels/scripted.py), which only call it where `has_q4_mm()` or `has_q4_mm_f32()`
     said it is the compiled kernel."""
     lib = torch.library.Library("caldrix", "FRAGMENT")
     lib.define(f"{name}(Tensor x, Tensor qw, Tensor dm) -> Tensor")
@@ -177,7 +177,7 @@ def torch_decode_rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                              V: torch.Tensor, slots: List[int], lengths: List[int], heads: int,
                              scale: float) -> torch.Tensor:
     """qkv [T, (H+2G)E], cos, sin [T, 1, E] -> [T, H * E]: split, RoPE, then decode_attend."""
-    from caldrix.models.decoder import apply_rope
+    from caldrix.kernels.ops import apply_rope
 
     T, (g, e) = qkv.shape[0], (K.shape[1], K.shape[3])
     qk, v = qkv.split([(heads + g) * e, g * e], dim=-1)
@@ -186,8 +186,8 @@ def torch_decode_rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def torch_decode_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """decoder.RMSNorm's computation: x [T, D] -> [T, D]."""
-    from caldrix.models.decoder import rms_norm
+    """ops.rms_norm, the models' RMSNorm: x [T, D] -> [T, D]."""
+    from caldrix.kernels.ops import rms_norm
 
     return rms_norm(x, w, eps)
 
@@ -207,7 +207,7 @@ def load() -> bool:
                 _why_torch = "no C++ compiler found (install g++ or set CXX)"
                 log.warning("decode attention: torch; %s for the faster kernel", _why_torch)
             else:
-                from caldrix.models.gguf import cache_root
+                from caldrix.weights.gguf import cache_root
 
                 out = cache_root() / "kernels" / _key(cxx) / "attend.so"
                 try:

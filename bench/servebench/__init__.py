@@ -1,0 +1,1 @@
+"""bench/serve.py's parts: common, peers, workloads, report."""
