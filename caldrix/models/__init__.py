@@ -15,10 +15,13 @@ from pathlib import Path
 ARCHITECTURES: dict[str, str] = {
     "llama": "caldrix.models.llama_load:load",
     "qwen3": "caldrix.models.llama_load:load",
+    "qwen3_5": "caldrix.models.qwen3_5_load:load",
+    "qwen3_5_text": "caldrix.models.qwen3_5_load:load",
 }
 
 # config.json `architectures` names -> model_type, for configs that name a class only
-CLASS_NAMES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+CLASS_NAMES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+               "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
 
 
 def model_type(path: Path) -> str:

@@ -279,6 +279,10 @@ class Qwen35(nn.Module):
     """The Qwen3.5 text model. `forward(ids, at, state)`: final hidden rows before the last
     norm; `logits(hidden)`: float32 logits. See Qwen35State for what a slot holds."""
 
+    # The linear layers' state is a running summary: a held slot is reusable only whole, or from
+    # a snapshot (models/base.py).
+    reuses_rows = False
+
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
         self.cfg = cfg
@@ -304,6 +308,10 @@ class Qwen35(nn.Module):
         freqs = torch.outer(torch.arange(rows, dtype=torch.int64).float(), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(self.embed.weight.device), emb.sin().to(self.embed.weight.device)
+
+    def setup(self, rows: int) -> None:
+        """The engine's hook for tables sized by the context (models/base.py)."""
+        self.setup_rope(rows)
 
     def forward(self, token_ids: torch.Tensor, at: Attend, state: Qwen35State) -> torch.Tensor:
         """token_ids [T] -> hidden [T, D] (before the final norm), advancing `state`.

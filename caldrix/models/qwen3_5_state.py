@@ -38,6 +38,11 @@ class Qwen35Snapshot:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.conv, self.rec, self.k, self.v) if t is not None)
 
+    @property
+    def in_place(self) -> bool:
+        """Whether its K/V rows still live in the slot (models/base.py Snapshot)."""
+        return self.k is None
+
 
 class Qwen35State:
     """The state of `num_slots` sequences of up to `rows` tokens. See the module docstring."""
