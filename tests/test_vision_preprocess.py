@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from caldrix.vision import preprocess as pp
+import vision_util
 from caldrix.vision.preprocess import SMOLVLM_256M, Grid, ImageTokens, ProcessorSettings
 
 SMALL = ProcessorSettings(longest_edge=256, tile=64, image_seq_len=4)
@@ -128,19 +129,7 @@ def test_decoded_files_match(tmp_path):
 
 @pytest.fixture(scope="module")
 def smolvlm_tokenizer(smollm2_dir):
-    """SmolLM2's tokenizer with SmolVLM's added tokens at SmolVLM's ids: the base vocabulary
-    (49152 tokens) is SmolLM2's, then <global-img>, the 36 <row_r_col_c>,
-    <fake_token_around_image>, <image>, reserved tokens and <end_of_utterance> at 49279."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    assert len(tok) == 49152
-    added = ["<global-img>"] + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-    added += ["<fake_token_around_image>", "<image>"] + [f"<|reserved_special_token_{i}|>" for i in range(88)]
-    added += ["<end_of_utterance>"]
-    tok.add_special_tokens({"additional_special_tokens": added})
-    assert tok.convert_tokens_to_ids("<image>") == 49190 and tok.convert_tokens_to_ids("<end_of_utterance>") == 49279
-    return tok
+    return vision_util.smolvlm_tokenizer(smollm2_dir)
 
 
 def reference_prompt_ids(tok, text, ims, detail, s):
