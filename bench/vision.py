@@ -199,9 +199,9 @@ def main() -> None:
         for side, dtype in runs:
             progress(f"{side} {dtype}")
             out = subprocess.run([sys.executable, __file__, "--child", side, "--path", tmp, "--child-dtype", dtype],
-                                 check=True, capture_output=True, text=True, env=os.environ)
-            sys.stderr.write(out.stderr[-2000:] if out.returncode else "")
+                                 check=True, stdout=subprocess.PIPE, text=True, env=os.environ)
             results[f"{side} {dtype}"] = json.loads(out.stdout.strip().splitlines()[-1])
+            progress(json.dumps(results[f"{side} {dtype}"]))
     ours_key = next(k for k in results if k.startswith("caldrix"))
     ours = results[ours_key]
     for key, r in results.items():  # the same prompt on every side, or the comparison means nothing
