@@ -141,6 +141,13 @@ def test_greedy_tokens_match_transformers(tiny, case):
     assert len(set(got)) > 3  # a reply that moves, not one token repeated
 
 
+def test_full_tile_positions():
+    from caldrix.models.siglip import full_tile_positions
+
+    assert torch.equal(full_tile_positions(32), torch.arange(1024))  # SmolVLM: 512 px / 16 px patches
+    assert torch.equal(full_tile_positions(4), torch.arange(16))
+
+
 def test_config_of_the_published_shape():
     # SmolVLM-256M-Instruct's config.json values (docs/vision.md says where they come from).
     cfg = Idefics3Config.from_dict({
