@@ -1,8 +1,9 @@
 """caldrix/vision/preprocess.py against transformers' Idefics3 image processor and processor.
 
-transformers 5 without torchvision gives Idefics3ImageProcessorPil for Idefics3ImageProcessor,
-the PIL processor SmolVLM was trained with; it is the reference here, with SmolVLM-256M's
-published settings and, for more examples in the time, a scaled-down copy of them.
+The reference is Idefics3ImageProcessorPil, the PIL processor SmolVLM was trained with (what
+transformers 5 gives for Idefics3ImageProcessor without torchvision; named directly so an
+installed torchvision cannot swap in its own resize), with SmolVLM-256M's published settings
+and, for more examples in the time, a scaled-down copy of them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ MODES = ["RGB", "RGBA", "LA", "L", "P", "P+transparency", "CMYK", "1", "I;16", "
 def reference_processor(s: ProcessorSettings, detail: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from transformers import Idefics3ImageProcessor
-        return Idefics3ImageProcessor(
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+        return Idefics3ImageProcessorPil(
             size={"longest_edge": s.longest_edge}, max_image_size={"longest_edge": s.tile}, resample=1,
             rescale_factor=s.rescale_factor, image_mean=list(s.mean), image_std=list(s.std),
             do_image_splitting=detail != "low", do_pad=True, do_convert_rgb=True)
