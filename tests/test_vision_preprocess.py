@@ -60,7 +60,9 @@ def make_image(width: int, height: int, mode: str, seed: int) -> Image.Image:
         im.info["transparency"] = 3
         return im
     if mode == "I;16":
-        return Image.fromarray((np.asarray(rgb.convert("L")).astype(np.uint16) * 257), "I;16")
+        im = Image.fromarray(np.asarray(rgb.convert("L")).astype(np.uint16) * 257)
+        assert im.mode == "I;16"
+        return im
     return rgb.convert(mode)
 
 
@@ -88,6 +90,7 @@ sides = st.integers(1, 700)
 @example(w=700, h=1, mode="RGBA", detail="high", seed=0)
 @example(w=64, h=64, mode="RGB", detail="auto", seed=0)
 @example(w=65, h=3, mode="CMYK", detail="auto", seed=0)
+@example(w=30, h=40, mode="I;16", detail="auto", seed=0)
 def test_pixels_match_transformers_small_settings(w, h, mode, detail, seed):
     compare_pixels(make_image(w, h, mode, seed), detail, SMALL)
 
