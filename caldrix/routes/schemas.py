@@ -332,6 +332,10 @@ def _messages(raw: Any, ctx: ModelLimits) -> tuple[ChatMessage, ...]:
         raise ApiError.invalid(
             f"messages must hold 1 to {MAX_MESSAGES} messages, got {len(raw)}", "messages"
         )
+    if ctx.has_vision:  # the image count first, before any part is read (caldrix/vision/messages.py)
+        from caldrix.vision.messages import request_image_refusal
+
+        _raise_refusal(request_image_refusal(raw))
     return tuple(_message(m, f"messages[{i}]", ctx) for i, m in enumerate(raw))
 
 
@@ -358,6 +362,10 @@ def _message(m: Any, path: str, ctx: ModelLimits) -> ChatMessage:
     if isinstance(content, str):
         _no_placeholder(content, cpath)
         text = content
+    elif isinstance(content, list) and ctx.has_vision:  # parts stay parts, in order
+        from caldrix.vision.messages import vision_message
+
+        return _raise_refusal(vision_message(_ROLES[role], content, cpath, lambda p, at: _text_part(p, at, ctx)))
     elif isinstance(content, list):
         text = "\n".join(_text_part(p, f"{cpath}[{j}]", ctx) for j, p in enumerate(content))
     else:
@@ -381,13 +389,21 @@ def _text_part(part: Any, path: str, ctx: ModelLimits) -> str:
     if kind == "image_url":
         if not ctx.has_vision:
             raise ApiError.invalid("this model takes text only", path)
-        # The vision issue replaces this: image parts become their own record then.
-        raise NotImplementedError("image parts on a vision model are not built yet")
+        raise AssertionError("image parts of a vision model are read by caldrix/vision/messages.py")
     if kind is None:
         raise ApiError.invalid('a content part needs a "type"', path)
     if not isinstance(kind, str):
         raise ApiError.invalid(f'a content part\'s "type" must be a string, got {_kind(kind)}', path)
     raise ApiError.invalid(f'content part type "{_clip(kind)}" is not supported; use "text"', path)
+
+
+def _raise_refusal(got: Any) -> Any:
+    """A vision record as it is, or its refusal (caldrix/vision's ImageRefusal) as a 400."""
+    from caldrix.vision.images import ImageRefusal
+
+    if isinstance(got, ImageRefusal):
+        raise ApiError.invalid(got.message, got.param)
+    return got
 
 
 def _no_placeholder(text: str, path: str) -> None:

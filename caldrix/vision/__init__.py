@@ -1,0 +1,1 @@
+"""Image input: the rules of image parts, preprocessing, the decode limiter."""

@@ -1,0 +1,73 @@
+"""The server-wide image decode limiter (http-api.md: at most 2 requests decode images at once,
+one request's images one at a time, at most --queue-depth more wait, one past that is a 429).
+
+One `DecodeLimiter` lives in the server's root nursery's scope and is shared by every request
+handler. A request takes one slot for all its images and decodes them one after another in a
+worker thread; its place in the queue is held only while it waits, so a client that goes away
+while waiting (its handler cancelled) frees the place at once. The queue is first come, first
+served (trio.CapacityLimiter hands a freed slot to the longest waiter).
+
+No HTTP here: a full queue raises `DecodeQueueFull`, which the route answers with its 429.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+import trio
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+DECODE_SLOTS = 2
+QUEUE_FULL = "the image decode queue is full"
+
+
+class DecodeQueueFull(Exception):
+    """Every decode slot is taken and `queue_depth` requests already wait: answer 429."""
+
+    def __init__(self) -> None:
+        super().__init__(QUEUE_FULL)
+
+
+class DecodeLimiter:
+    """`slots` requests decode at once; at most `queue_depth` more wait for a slot."""
+
+    def __init__(self, queue_depth: int, slots: int = DECODE_SLOTS) -> None:
+        if slots < 1 or queue_depth < 0:
+            raise ValueError("slots must be at least 1 and queue_depth at least 0")
+        self._limiter = trio.CapacityLimiter(slots)
+        self.queue_depth = queue_depth
+        self._waiting = 0
+
+    @property
+    def decoding(self) -> int:
+        """Requests holding a slot now (for /metrics)."""
+        return self._limiter.borrowed_tokens
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot now (for /metrics)."""
+        return self._waiting
+
+    async def run(self, items: Sequence[T], fn: Callable[[T], R]) -> list[R]:
+        """`fn(item)` for each item, one at a time, in a worker thread, inside one slot.
+
+        Raises DecodeQueueFull without waiting when no slot is free and the queue is full. A
+        cancellation while waiting leaves the queue; one while decoding returns the slot once
+        the item in hand is done (a thread cannot be stopped; its result is dropped)."""
+        borrower = object()  # one borrower per call: a task may hold a slot only once
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(borrower)
+        except trio.WouldBlock:
+            if self._waiting >= self.queue_depth:
+                raise DecodeQueueFull() from None
+            self._waiting += 1
+            try:
+                await self._limiter.acquire_on_behalf_of(borrower)
+            finally:
+                self._waiting -= 1
+        try:
+            return [await trio.to_thread.run_sync(fn, item) for item in items]
+        finally:
+            self._limiter.release_on_behalf_of(borrower)

@@ -1,0 +1,181 @@
+"""caldrix/vision/preprocess.py against transformers' Idefics3 image processor and processor.
+
+The reference is Idefics3ImageProcessorPil, the PIL processor SmolVLM was trained with (what
+transformers 5 gives for Idefics3ImageProcessor without torchvision; named directly so an
+installed torchvision cannot swap in its own resize), with SmolVLM-256M's published settings
+and, for more examples in the time, a scaled-down copy of them.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from caldrix.vision import preprocess as pp
+import vision_util
+from caldrix.vision.preprocess import SMOLVLM_256M, Grid, ImageTokens, ProcessorSettings
+
+SMALL = ProcessorSettings(longest_edge=256, tile=64, image_seq_len=4)
+MODES = ["RGB", "RGBA", "LA", "L", "P", "P+transparency", "CMYK", "1", "I;16", "RGB+transparency"]
+
+
+def reference_processor(s: ProcessorSettings, detail: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+        return Idefics3ImageProcessorPil(
+            size={"longest_edge": s.longest_edge}, max_image_size={"longest_edge": s.tile}, resample=1,
+            rescale_factor=s.rescale_factor, image_mean=list(s.mean), image_std=list(s.std),
+            do_image_splitting=detail != "low", do_pad=True, do_convert_rgb=True)
+
+
+def make_image(width: int, height: int, mode: str, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    # Smooth colour ramps plus noise: Lanczos overshoots and clips on both.
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)), (x + y) % 256], -1)
+    noise = rng.integers(-40, 41, size=(height, width, 3))
+    rgb = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
+    if mode == "RGB":
+        return rgb
+    if mode == "RGB+transparency":
+        rgb.info["transparency"] = (int(base[0, 0, 0]), 0, 0)
+        return rgb
+    if mode in ("RGBA", "LA"):
+        alpha = Image.fromarray(rng.integers(0, 256, size=(height, width), dtype=np.uint8), "L")
+        im = rgb.convert(mode[:-1])
+        im.putalpha(alpha)
+        return im
+    if mode == "P":
+        return rgb.convert("P", palette=Image.ADAPTIVE, colors=64)
+    if mode == "P+transparency":
+        im = rgb.convert("P", palette=Image.ADAPTIVE, colors=64)
+        im.info["transparency"] = 3
+        return im
+    if mode == "I;16":
+        im = Image.fromarray(np.asarray(rgb.convert("L")).astype(np.uint16) * 257)
+        assert im.mode == "I;16"
+        return im
+    return rgb.convert(mode)
+
+
+def compare_pixels(im: Image.Image, detail: str, s: ProcessorSettings):
+    ref = reference_processor(s, detail)(images=[[im]], return_tensors="pt", return_row_col_info=True)
+    ours = pp.preprocess(im, detail, s)
+    want = ref["pixel_values"][0]
+    assert ours.pixels.dtype == torch.float32
+    assert ours.pixels.shape == want.shape, (ours.pixels.shape, want.shape)
+    assert torch.all(ref["pixel_attention_mask"] == 1)  # every tile is whole: no padding
+    assert (ours.grid.rows, ours.grid.cols) == (ref["rows"][0][0], ref["cols"][0][0])
+    diff = (ours.pixels - want).abs().max().item()
+    assert diff <= 1e-6, diff
+    assert ours.grid == pp.grid_for(im.width, im.height, detail, s)
+    return ours
+
+
+sides = st.integers(1, 700)
+
+
+@settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=sides, h=sides, mode=st.sampled_from(MODES), detail=st.sampled_from(["auto", "high", "low"]),
+       seed=st.integers(0, 2**16))
+@example(w=1, h=700, mode="RGB", detail="auto", seed=0)
+@example(w=700, h=1, mode="RGBA", detail="high", seed=0)
+@example(w=64, h=64, mode="RGB", detail="auto", seed=0)
+@example(w=65, h=3, mode="CMYK", detail="auto", seed=0)
+@example(w=30, h=40, mode="I;16", detail="auto", seed=0)
+def test_pixels_match_transformers_small_settings(w, h, mode, detail, seed):
+    compare_pixels(make_image(w, h, mode, seed), detail, SMALL)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=st.integers(1, 1400), h=st.integers(1, 1400), mode=st.sampled_from(MODES),
+       detail=st.sampled_from(["auto", "low"]), seed=st.integers(0, 2**16))
+@example(w=512, h=512, mode="RGB", detail="low", seed=1)
+@example(w=1024, h=768, mode="RGB", detail="high", seed=2)
+@example(w=300, h=4096, mode="L", detail="auto", seed=3)
+def test_pixels_match_transformers_smolvlm_settings(w, h, mode, detail, seed):
+    out = compare_pixels(make_image(w, h, mode, seed), detail, SMOLVLM_256M)
+    if detail == "low":
+        assert out.pixels.shape == (1, 3, 512, 512)
+
+
+def test_known_grids():
+    # 1024x768 goes to 2048x1536: 4 columns by 3 rows plus the global image.
+    assert pp.grid_for(1024, 768, "high") == Grid(3, 4)
+    assert pp.grid_for(512, 512, "auto") == Grid(4, 4)  # small images are scaled up to 2048 first
+    assert pp.grid_for(512, 512, "low") == Grid(0, 0)
+    assert pp.grid_for(4096, 1, "auto") == Grid(1, 4)
+    assert pp.image_token_count(Grid(3, 4)) == 13 * 64
+
+
+def test_decoded_files_match(tmp_path):
+    # The same through real encoded files: PNG with alpha, JPEG (CMYK and greyscale), WebP.
+    cases = [(make_image(333, 120, "RGBA", 1), "PNG"), (make_image(90, 200, "CMYK", 2), "JPEG"),
+             (make_image(150, 150, "L", 3), "JPEG"), (make_image(401, 77, "RGB", 4), "WEBP"),
+             (make_image(64, 300, "P+transparency", 5), "PNG")]
+    for im, fmt in cases:
+        buf = io.BytesIO()
+        im.save(buf, format=fmt)
+        compare_pixels(Image.open(io.BytesIO(buf.getvalue())), "auto", SMALL)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompt
+
+
+@pytest.fixture(scope="module")
+def smolvlm_tokenizer(smollm2_dir):
+    return vision_util.smolvlm_tokenizer(smollm2_dir)
+
+
+def reference_prompt_ids(tok, text, ims, detail, s):
+    from transformers import Idefics3Processor
+
+    proc = Idefics3Processor(image_processor=reference_processor(s, detail), tokenizer=tok,
+                             image_seq_len=s.image_seq_len)
+    return proc(text=[text], images=[ims])["input_ids"][0]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 400)), min_size=1, max_size=3),
+       detail=st.sampled_from(["auto", "low"]),
+       words=st.lists(st.sampled_from(["Describe", " this", "\n", " image", ":", "  ", "é", "\n\n", ""]),
+                      min_size=4, max_size=4))
+def test_prompt_ids_match_the_processor(smolvlm_tokenizer, sizes, detail, words):
+    tok = smolvlm_tokenizer
+    s = SMALL
+    ims = [make_image(w, h, "RGB", i) for i, (w, h) in enumerate(sizes)]
+    body = "".join(f"{words[i % 4]}<image>" for i in range(len(ims))) + words[3]
+    text = f"<|im_start|>User:{body}<end_of_utterance>\nAssistant:"
+    want = reference_prompt_ids(tok, text, ims, detail, s)
+    tokens = ImageTokens.lookup(lambda t: tok.convert_tokens_to_ids(t))
+    grids = [pp.grid_for(im.width, im.height, detail, s) for im in ims]
+    got = pp.layout_prompt(text, grids, tokens, lambda t: tok.encode(t, add_special_tokens=False), s)
+    assert list(got.ids) == list(want)
+    assert len(got.image_rows) == sum(pp.image_token_count(g, s) for g in grids)
+    assert all(got.ids[r] == tokens.image for r in got.image_rows)
+
+
+def test_prompt_ids_smolvlm_settings(smolvlm_tokenizer):
+    tok = smolvlm_tokenizer
+    ims = [make_image(1024, 768, "RGB", 0), make_image(512, 512, "RGB", 1)]
+    text = "<|im_start|>User:<image>Compare<image>them.<end_of_utterance>\nAssistant:"
+    want = reference_prompt_ids(tok, text, ims, "auto", SMOLVLM_256M)
+    tokens = ImageTokens.lookup(lambda t: tok.convert_tokens_to_ids(t))
+    got = pp.layout_prompt(text, [Grid(3, 4), Grid(4, 4)], tokens, lambda t: tok.encode(t, add_special_tokens=False))
+    assert list(got.ids) == list(want)
+    assert len(got.image_rows) == (13 + 17) * 64
+
+
+def test_placeholder_count_must_match():
+    tokens = ImageTokens(fake=1, image=2, global_img=3, row_col=tuple(tuple(range(10, 16)) for _ in range(6)))
+    with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
+        pp.layout_prompt("<image><image>", [Grid(0, 0)], tokens, lambda t: [99])
