@@ -176,3 +176,72 @@ def test_accepted_bodies_are_valid_against_the_document(body):
             continue
         errors = [str(e) for e in _validator(path).iter_errors(body)]
         assert not errors, (path, errors)
+
+
+# --- POST /v1/systemone ----------------------------------------------------------------------------
+
+from caldrix.systemone.request import NOUL_KEYS, QUESTION_FIELDS, TOP_FIELDS, Limits, parse_body, parse_request  # noqa: E402
+
+
+def test_systemone_documents_exactly_the_fields_its_validator_reads():
+    schema = _schema("/v1/systemone")
+    assert set(schema["properties"]) == set(TOP_FIELDS) and schema["additionalProperties"] is False
+    kinds = schema["properties"]["questions"]["additionalProperties"]["oneOf"]
+    assert {k["properties"]["type"]["const"] for k in kinds} == {"choice", "score", "noul"}  # never "box"
+    for k in kinds:
+        assert set(k["properties"]) == set(QUESTION_FIELDS) and k["additionalProperties"] is False
+    noul = next(k for k in kinds if k["properties"]["type"]["const"] == "noul")
+    assert set(noul["properties"]["criteria"]["anyOf"][1]["properties"]) == set(NOUL_KEYS)
+    post = DOC["paths"]["/v1/systemone"]["post"]
+    assert set(post["responses"]) == {"200", "400", "413", "429", "500", "503"}
+
+
+_so_value = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=False, allow_infinity=False),
+              st.text(max_size=4)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    max_leaves=6)
+_so_text = st.one_of(st.text(max_size=4), st.lists(_so_value, max_size=2), st.dictionaries(st.text(max_size=3), _so_value, max_size=2))
+_so_text_or_null = st.one_of(st.none(), _so_text)
+# Mostly well-formed questions (so the validator accepts many bodies), with room for every
+# refusal: out-of-range counts, wrong types, unknown and refused fields.
+_so_question = st.one_of(
+    st.fixed_dictionaries({"type": st.just("choice"), "criteria": st.dictionaries(
+        st.text(min_size=1, max_size=3), _so_text_or_null, min_size=0, max_size=28)},
+        optional={"instructions": _so_text_or_null}),
+    st.fixed_dictionaries({"type": st.just("score"), "criteria": st.lists(_so_text, min_size=0, max_size=28)},
+                          optional={"instructions": _so_text_or_null}),
+    st.fixed_dictionaries({"type": st.just("noul")}, optional={
+        "instructions": _so_text_or_null,
+        "criteria": st.one_of(st.none(), st.fixed_dictionaries({}, optional={"true": _so_text_or_null,
+                                                                             "false": _so_text_or_null}), _so_value)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["choice", "score", "noul", "box", "x", 1])},
+                          optional={"instructions": _so_value, "criteria": _so_value, "extra": _so_value}),
+)
+def _with_extra(body: dict, extra: str | None, value) -> dict:
+    return {**body, extra: value} if extra else body
+
+
+_so_body = st.builds(
+    _with_extra,
+    st.fixed_dictionaries(
+        {"model": st.sampled_from(["m", "m", "m", "other"]), "state": st.one_of(_so_text, _so_text, _so_value),
+         "questions": st.one_of(
+             *[st.dictionaries(st.text(min_size=1, max_size=3), _so_question, min_size=1, max_size=5)] * 4,
+             st.dictionaries(st.text(min_size=1, max_size=3), _so_question, min_size=60, max_size=70),
+             _so_value)}),
+    st.sampled_from([None] * 8 + ["assets", "images", "chat_template_kwargs", "x"]),
+    _so_value)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=_so_body)
+def test_systemone_bodies_it_accepts_are_valid_against_the_document(body):
+    """The validator (systemone/request.py) and the document agree on every body the validator
+    takes; one it refuses may still pass the schema (duplicate keys, context, labels)."""
+    raw = json.dumps(body).encode()
+    try:
+        parse_request(parse_body(raw), "m", Limits())
+    except ApiError:
+        return
+    assert jsonschema_rs.Draft202012Validator(_schema("/v1/systemone")).is_valid(json.loads(raw)), body

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import attrs
 from quart import Blueprint, current_app
 
-from caldrix.routes import fields
+from caldrix.routes import fields, systemone_schema
 from caldrix.routes.fields import ModelLimits
 
 bp = Blueprint("openapi", __name__)
@@ -151,6 +151,11 @@ def operations() -> list[Operation]:
         Operation("/v1/chat/completions", "post", "OpenAI Chat Completions", _generating(_CHAT_REPLY),
                   body=lambda ctx: fields.body_schema(fields.CHAT, ("model", "messages"), ctx),
                   operation_id="chat_completions"),
+        Operation("/v1/systemone", "post", "System One: typed decisions read from next-token logits",
+                  lambda ctx: {"200": {"description": "the answers, under the request's names and in its order",
+                                       "content": {"application/json": {"schema": systemone_schema.REPLY}}},
+                               **error_responses(400, 413, 429, 500, 503)},
+                  body=systemone_schema.body_schema, operation_id="systemone"),
         Operation("/v1/models", "get", "The one model served", _plain("the model list", "application/json", _MODELS),
                   operation_id="models"),
         Operation("/healthz", "get", "Liveness for a load balancer", _health, operation_id="healthz"),
