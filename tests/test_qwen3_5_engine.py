@@ -117,3 +117,18 @@ def test_speculation_is_refused(model):
     engine = load(path, 1)
     assert engine.check_verify() == "the model keeps a recurrent state, which cannot take back a rejected guess"
     assert not engine.can_verify
+
+
+def test_host_lane_equals_the_cpu_lane(model):
+    """--backend host (transformers' own classes, a composite checkpoint as
+    Qwen3_5ForConditionalGeneration so its top-level tie holds) gives the cpu lane's greedy
+    replies, including a second prompt in the same slot that rewinds it."""
+    from caldrix.host_engine import HostEngine
+
+    path, ref = model
+    prompts = [ids(40, seed=8), ids(9, seed=9)]
+    host = HostEngine(path, dtype=torch.float32, max_batch=1, context=256)
+    assert host.vocab_size == VOCAB
+    ours = generate(load(path, 1), prompts, 20, together=False, chunk=16)
+    assert generate(host, prompts, 20, together=False, chunk=16) == ours
+    assert ours == [hf_greedy(ref, p, 20) for p in prompts]
