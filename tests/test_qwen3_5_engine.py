@@ -132,3 +132,25 @@ def test_host_lane_equals_the_cpu_lane(model):
     ours = generate(load(path, 1), prompts, 20, together=False, chunk=16)
     assert generate(host, prompts, 20, together=False, chunk=16) == ours
     assert ours == [hf_greedy(ref, p, 20) for p in prompts]
+
+
+@pytest.mark.parametrize("backend, seen", [("cuda", None), ("hip", None), ("auto", "cuda"), ("auto", "hip")])
+def test_gpu_lanes_refuse_qwen35_at_start(model, tmp_path, monkeypatch, capsys, backend, seen):
+    """`caldrix run DIR --backend cuda|hip` (or auto where a GPU is seen, simulated) on a Qwen3.5
+    directory of either config shape exits 2 naming the model, before any weight is read."""
+    import json
+
+    from caldrix import cli, lanes
+
+    path, _ = model
+    raw = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "model.safetensors").write_bytes(b"never read")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(lanes, "gpu_seen", lambda: seen)
+    assert cli.main(["run", str(tmp_path), "hi", "--backend", backend]) == 2
+    lane = seen or backend
+    name = "decider-0.8b (qwen3_5)" if raw["model_type"] == "qwen3_5" else "Qwen3.5 (qwen3_5_text)"
+    assert capsys.readouterr().err.strip() == (
+        f"caldrix: --backend {lane}: {name} is a cpu-lane model: its gated delta-net layers run on the cpu "
+        f"lane (and --backend host) only; use --backend cpu")
