@@ -18,7 +18,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: E402
 
-from engine_util import generate  # noqa: E402
+import httpx  # noqa: E402
+from engine_util import generate, generate_in_turn  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 from test_qwen3_5 import TEXT, VISION  # noqa: E402
 from test_systemone_http import qwen3_tokenizer_dir  # noqa: E402, F401  (the fixture)
@@ -52,7 +53,12 @@ def model_dir(tmp_path_factory, qwen35_tokenizer_dir, qwen3_tokenizer_dir):  # n
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
+def engine(model_dir):
+    return Engine.load(model_dir, dtype=torch.float32, max_batch=1, context=512)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, engine):
     """(prompt ids, the engine's greedy reply) for the completion prompt and the chat."""
     tok = Tokenizer.load(model_dir)
     hf = AutoTokenizer.from_pretrained(str(model_dir))
@@ -60,15 +66,19 @@ def expected(model_dir):
     assert list(prompts[0]) == hf(PROMPT).input_ids
     assert list(prompts[1]) == hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False)
-    engine = Engine.load(model_dir, dtype=torch.float32, max_batch=1, context=512)
     replies = generate(engine, prompts, N, together=False, chunk=128, stop=tok.eos_token_ids)
     return list(zip(prompts, replies)), tok
 
 
 @pytest.fixture(scope="module")
-def client(model_dir):
+def server(model_dir):
     with ServerProcess.start(model_dir, "--dtype", "float32", "--context", "512") as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_completions(client, expected):
@@ -99,3 +109,31 @@ def test_chat(client, expected):
     chunks = [c for c in stream if c.choices]
     assert [t for c in chunks for t in (getattr(c.choices[0], "token_ids", None) or [])] == want
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+
+
+def test_held_slot_reuse_over_http(server, client, engine):
+    """Token-id prompts in turn on the one slot: a prompt that extends everything the slot
+    computed goes on from it (/debug/requests says how many rows), one that diverges mid-prefix
+    starts over, and a stream the client abandons leaves the slot fit for the next request;
+    each reply is the engine's greedy one, reuse and all."""
+    gen = torch.Generator().manual_seed(12)
+    first = tuple(torch.randint(0, 248000, (20,), generator=gen).tolist())
+    reply = generate(engine, [first], 8, together=False)[0]
+    longer = first + tuple(reply) + tuple(torch.randint(0, 248000, (6,), generator=gen).tolist())
+    diverged = first[:5] + tuple(torch.randint(0, 248000, (15,), generator=gen).tolist())
+    want = generate_in_turn(engine, [first, longer, diverged], 8)
+    assert [rows for _, rows in want] == [0, len(first) + 7, 0]
+
+    def complete(prompt) -> list[int]:
+        got = client.completions.create(model="tiny-qwen3.5", prompt=list(prompt), max_tokens=8,
+                                        extra_body={"return_token_ids": True})
+        return got.choices[0].token_ids
+
+    assert [complete(p) for p in (first, longer, diverged)] == [r for r, _ in want]
+    ring = httpx.get(server.url + "/debug/requests").json()["data"]
+    assert [r["prefix_rows"] for r in ring[-3:]] == [0, len(first) + 7, 0]
+    with client.completions.create(model="tiny-qwen3.5", prompt=list(longer), max_tokens=40, stream=True) as stream:
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break  # the client goes away mid-reply
+    assert complete(longer) == want[1][0]
