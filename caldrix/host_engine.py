@@ -1,7 +1,8 @@
 """--backend host: the Hugging Face transformers model itself, one run at a time.
 
 The reference lane the own engine is checked against; slow by design. It keeps the same step
-contract as engine.Engine, with a transformers DynamicCache per slot.
+contract as engine.Engine, with transformers' own cache per slot (the one its model makes,
+which for Qwen3.5 holds conv windows and recurrent matrices beside K/V rows).
 """
 
 from __future__ import annotations
@@ -14,42 +15,66 @@ from caldrix.batch import Batch, RunOutput, StepOutput
 from caldrix.sampler import pick_run
 
 
+def load_host_model(path: Path, dtype: torch.dtype):
+    """The transformers model of a Hugging Face directory, in eval mode.
+
+    A composite Qwen3.5 checkpoint (model_type qwen3_5, text_config inside) loads as
+    Qwen3_5ForConditionalGeneration: AutoModelForCausalLM would build the text model alone and
+    read the tie flag from text_config, so a checkpoint that ties its head only at the top level
+    would get a freshly initialized lm_head. Everything else loads through AutoModelForCausalLM."""
+    import transformers
+
+    from caldrix.models import model_type
+
+    try:
+        kind = model_type(path)
+    except ValueError:
+        kind = None  # not one of the own engine's: transformers may still know it
+    if kind == "qwen3_5":
+        cls = transformers.Qwen3_5ForConditionalGeneration
+    else:
+        cls = transformers.AutoModelForCausalLM
+    return cls.from_pretrained(str(path), dtype=dtype).eval()
+
+
 class HostEngine:
     def __init__(self, path: Path, *, dtype: torch.dtype, max_batch: int, context: int | None):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
-        cfg = self.model.config
+        self.model = load_host_model(path, dtype)
+        cfg = self.model.config.get_text_config()  # a composite config's text part; else itself
         self.vocab_size = cfg.vocab_size
         self.context = min(getattr(cfg, "max_position_embeddings", 2048), 8192) if context is None else context
         self.max_batch = max_batch
         self.dtype = dtype
         self.kv_bytes = 0  # grows per request; nothing is allocated up front
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]
-        self._cache: list = [None] * max_batch
+        self._cache: list = [None] * max_batch  # the cache transformers returned for the slot's rows
+
+    def _forward(self, ids: list[int], slot: int) -> torch.Tensor:
+        """Feed `ids` after the slot's cached rows (none: a new cache): logits [len(ids), V]."""
+        out = self.model(input_ids=torch.tensor([ids]), past_key_values=self._cache[slot], use_cache=True)
+        self._cache[slot] = out.past_key_values
+        return out.logits[0]
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:
-        from transformers import DynamicCache
-
         outs = []
         for r in batch.runs:
             if r.embeds or r.restore or r.snapshot:
                 raise NotImplementedError("the host lane runs token ids only: no input embeddings or snapshots")
             rows = self._rows[r.slot]
-            cache = self._cache[r.slot]
-            if cache is None or cache.get_seq_length() > r.start:
-                # rewind: recompute the kept rows from scratch (reference lane, slow on purpose)
-                cache = self._cache[r.slot] = DynamicCache()
+            if self._cache[r.slot] is None or len(rows) != r.start:
+                # rewind: recompute the kept rows from scratch (reference lane, slow on purpose;
+                # a recurrent cache cannot be cut back anyway)
                 keep = rows[: r.start]
+                self._cache[r.slot] = None
                 if keep:
-                    self.model(input_ids=torch.tensor([keep]), past_key_values=cache, use_cache=True)
+                    self._forward(keep, r.slot)
             del rows[r.start :]
             rows.extend(r.token_ids)
-            logits = self.model(input_ids=torch.tensor([r.token_ids]), past_key_values=cache, use_cache=True).logits
+            logits = self._forward(list(r.token_ids), r.slot)
             if not r.pick_at:
                 outs.append(RunOutput(()))
                 continue
-            tokens, read = pick_run(r, logits[0, list(r.pick_at)].float(), rows)
+            tokens, read = pick_run(r, logits[list(r.pick_at)].float(), rows)
             outs.append(RunOutput(tuple(tokens), tuple(read)))
         return StepOutput(tuple(outs))

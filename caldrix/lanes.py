@@ -26,6 +26,8 @@ AMD_MAX_BATCH = 8
 CPU_ONLY = {
     "idefics3": ("smolvlm-256m", "its vision tower runs on the cpu lane only"),
     "qwen3_5": ("decider-0.8b", "its gated delta-net layers run on the cpu lane (and --backend host) only"),
+    # a text-only Qwen3.5 checkpoint: the same layers, whatever it is called
+    "qwen3_5_text": ("Qwen3.5", "its gated delta-net layers run on the cpu lane (and --backend host) only"),
 }
 
 

@@ -153,14 +153,11 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
 
 
 def pick_lane(backend: str) -> str:
-    """--backend: auto is cuda (or hip) where torch sees a GPU, else cpu."""
-    import torch
+    """--backend: auto is cuda (or hip) where torch sees a GPU, else cpu (lanes.py's rule, the one
+    the CLI settled its defaults by)."""
+    import caldrix.lanes
 
-    if backend != "auto":
-        return backend
-    if torch.cuda.is_available():
-        return "hip" if getattr(torch.version, "hip", None) else "cuda"
-    return "cpu"
+    return caldrix.lanes.resolve_lane(backend, caldrix.lanes.gpu_seen() if backend == "auto" else None)
 
 
 def release_freed_heap() -> bool:
