@@ -183,7 +183,9 @@ class Engine:
                 before = self.state.snapshot(0, n1 + n2)
                 hidden = self._decode(step)
                 self.state.restore(before, 0)
-                got[threads] = (h1, h2, hidden, self._decode_logits(step)[0])
+                # Only the probe's own row: padding rows (a padded dense step) carry nothing, and
+                # a recurrent model's padding row runs over whatever its scratch slot last held.
+                got[threads] = (h1, h2, hidden[:1], self._decode_logits(step)[0][:1])
         finally:
             torch.set_num_threads(saved)
             self._rows[0] = []
