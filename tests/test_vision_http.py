@@ -238,3 +238,26 @@ def test_text_model_refuses_image_parts():
                    text, SamplingParams())
     assert err.value.status == 400 and err.value.message == "this model takes text only"
     assert err.value.param == "messages[0].content[0]"
+
+
+def test_host_backend_gives_the_same_reply(tiny):
+    # --backend host: transformers' Idefics3ForConditionalGeneration itself behind the same route.
+    _, _, path = tiny
+    messages = ask([image_part(url("image/webp", encoded("WEBP", 50, 36, 21)))], "Name it.")
+    ids, want = reference(tiny, messages, 6)
+    with ServerProcess.start(path, "--backend", "host", "--dtype", "float32", "--context", str(CONTEXT),
+                             "--served-name", "m") as srv:
+        host = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        got = chat(host, messages)
+    assert got.choices[0].token_ids == want and got.usage.prompt_tokens == len(ids)
+
+
+def test_gpu_lanes_refuse_by_name(tiny):
+    from caldrix.lanes import architecture_of, lane_refusal
+
+    _, _, path = tiny
+    for lane in ("cuda", "hip"):
+        assert lane_refusal(architecture_of(path), lane) == (
+            f"--backend {lane}: smolvlm-256m (idefics3) is a cpu-lane model: its vision tower runs on the cpu "
+            "lane only; use --backend cpu")
+    assert lane_refusal(architecture_of(path), "cpu") is None
