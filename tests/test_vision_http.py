@@ -261,3 +261,32 @@ def test_gpu_lanes_refuse_by_name(tiny):
             f"--backend {lane}: smolvlm-256m (idefics3) is a cpu-lane model: its vision tower runs on the cpu "
             "lane only; use --backend cpu")
     assert lane_refusal(architecture_of(path), "cpu") is None
+
+
+def test_decode_queue_full_is_a_429(tiny):
+    # Two decode slots and --queue-depth 1: of eight requests arriving at once with a large
+    # image each (a 4000 x 3000 JPEG: decoding takes a while), two decode, one waits, and the
+    # rest are refused with the decode queue's 429 (never a 500; the rest answer 200).
+    import concurrent.futures
+
+    _, _, path = tiny
+    x = np.linspace(0, 255, 4000, dtype=np.float32)
+    y = np.linspace(0, 255, 3000, dtype=np.float32)
+    arr = np.stack([np.add.outer(y, x) / 2, np.add.outer(y, -x) % 256, np.outer(y, x) % 256], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buf, format="JPEG", quality=90)
+    body = {"model": "m", "max_tokens": 2, "messages": ask([image_part(url("image/jpeg", buf.getvalue()))])}
+    with ServerProcess.start(path, "--dtype", "float32", "--context", str(CONTEXT), "--served-name", "m",
+                             "--queue-depth", "1") as srv:
+
+        def post(_):
+            with httpx.Client(timeout=120) as http:
+                return http.post(srv.url + "/v1/chat/completions", json=body)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(post, range(8)))
+    codes = sorted(r.status_code for r in answers)
+    assert set(codes) <= {200, 429} and codes.count(200) >= 2, codes
+    image_full = [r for r in answers if r.status_code == 429
+                  and r.json()["error"]["message"] == "the image decode queue is full"]
+    assert image_full, [r.text for r in answers]
