@@ -24,7 +24,7 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     # A vision model's image state, with the one server-wide image decode limiter: made here,
     # under serve()'s root nursery, and shared by every request handler.
     vision = None
-    if getattr(rt.engine, "takes_images", False):
+    if getattr(getattr(rt, "engine", None), "takes_images", False):
         from caldrix.vision.serving import VisionServing
 
         vision = VisionServing.load(rt.model_dir, rt.tokenizer.hf.convert_tokens_to_ids, rt.cfg.queue_depth)
