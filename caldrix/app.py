@@ -16,11 +16,21 @@ from caldrix.runtime import Runtime
 log = logging.getLogger("caldrix")
 
 MAX_BODY = 4 * 2**20  # 4 MiB: a larger body is a 413, refused before it is read whole
+VISION_MAX_BODY = 32 * 2**20  # a vision server's, on every route (http-api.md: eight 8 MiB images fit)
 
 
 def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     app = QuartTrio("caldrix")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    # A vision model's image state, with the one server-wide image decode limiter: made here,
+    # under serve()'s root nursery, and shared by every request handler.
+    vision = None
+    if getattr(getattr(rt, "engine", None), "takes_images", False):
+        from caldrix.vision.serving import VisionServing
+
+        vision = VisionServing.load(rt.model_dir, rt.tokenizer.hf.convert_tokens_to_ids, rt.cfg.queue_depth)
+    max_body = VISION_MAX_BODY if vision is not None else MAX_BODY
+    app.config["MAX_CONTENT_LENGTH"] = max_body
+    app.extensions["caldrix.vision"] = vision
     # Quart's 60 s defaults would cut a long stream or a slow upload without an error.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 300
@@ -42,7 +52,7 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
             # Refused before the body is read: the unread rest of it is still on the wire, so
             # the connection cannot carry another request. Close it, or a keep-alive client's
             # next request on it hangs.
-            resp = error_response(ApiError.body_too_large(MAX_BODY))
+            resp = error_response(ApiError.body_too_large(max_body))
             resp.headers["Connection"] = "close"
             return resp
         messages = {404: "no such route", 405: "method not allowed on this route"}

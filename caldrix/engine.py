@@ -335,6 +335,18 @@ class Engine:
         assert rows.dim() == 2 and key, "rows [N, D] under a nonzero key"
         self.embeddings[key] = rows.to(self.dtype)
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model has a vision tower (embed_images works)."""
+        return hasattr(self.model, "image_features")
+
+    @torch.inference_mode()
+    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Image tiles [N, 3, S, S] -> the model's input rows for their <image> positions [N * seq, D]
+        (a vision model's `image_features`). Safe to call from a worker thread beside `step`: it
+        reads the weights and touches no slot state. AttributeError for a text-only model."""
+        return self.model.image_features(pixels)
+
     def drop_embeddings(self, keys) -> None:
         """Forget input embeddings once no run will name them (the scheduler, at a request's end)."""
         for key in keys:

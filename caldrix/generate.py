@@ -45,6 +45,9 @@ class GenRequest:
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
     stops: tuple[str, ...] = ()
+    # image requests (caldrix/vision/serving.py): no held rows reused or left, input embeddings
+    reuse_prefix: bool = True
+    embeds: tuple = ()  # protocol.EmbedSpan
 
 
 def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tuple[int, ...] = ()) -> trio.MemoryReceiveChannel[TokenEvent]:
@@ -63,6 +66,8 @@ def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tupl
         stop_token_ids=req.stop_token_ids,
         events=tx,
         read_ids=read_ids,
+        reuse_prefix=req.reuse_prefix,
+        embeds=req.embeds,
     )
     try:
         submit_tx.send_nowait(sub)

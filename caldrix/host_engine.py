@@ -32,6 +32,8 @@ def load_host_model(path: Path, dtype: torch.dtype):
         kind = None  # not one of the own engine's: transformers may still know it
     if kind == "qwen3_5":
         cls = transformers.Qwen3_5ForConditionalGeneration
+    elif kind == "idefics3":
+        cls = transformers.Idefics3ForConditionalGeneration
     else:
         cls = transformers.AutoModelForCausalLM
     return cls.from_pretrained(str(path), dtype=dtype).eval()
@@ -42,6 +44,8 @@ class HostEngine:
         self.model = load_host_model(path, dtype)
         cfg = self.model.config.get_text_config()  # a composite config's text part; else itself
         self.vocab_size = cfg.vocab_size
+        self.takes_images = self.model.config.model_type == "idefics3"
+        self.embeddings: dict[int, torch.Tensor] = {}  # image features by key (Run.embeds), as Engine's
         self.context = min(getattr(cfg, "max_position_embeddings", 2048), 8192) if context is None else context
         self.max_batch = max_batch
         self.dtype = dtype
@@ -49,9 +53,11 @@ class HostEngine:
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]
         self._cache: list = [None] * max_batch  # the cache transformers returned for the slot's rows
 
-    def _forward(self, ids: list[int], slot: int) -> torch.Tensor:
-        """Feed `ids` after the slot's cached rows (none: a new cache): logits [len(ids), V]."""
-        out = self.model(input_ids=torch.tensor([ids]), past_key_values=self._cache[slot], use_cache=True)
+    def _forward(self, ids: list[int], slot: int, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed `ids` (or their input rows `x` [len(ids), D], image features in place) after the
+        slot's cached rows (none: a new cache): logits [len(ids), V]."""
+        inputs = {"inputs_embeds": x[None]} if x is not None else {"input_ids": torch.tensor([ids])}
+        out = self.model(**inputs, past_key_values=self._cache[slot], use_cache=True)
         self._cache[slot] = out.past_key_values
         return out.logits[0]
 
@@ -59,8 +65,8 @@ class HostEngine:
     def step(self, batch: Batch) -> StepOutput:
         outs = []
         for r in batch.runs:
-            if r.embeds or r.restore or r.snapshot:
-                raise NotImplementedError("the host lane runs token ids only: no input embeddings or snapshots")
+            if r.restore or r.snapshot:
+                raise NotImplementedError("the host lane runs no snapshots")
             rows = self._rows[r.slot]
             if self._cache[r.slot] is None or len(rows) != r.start:
                 # rewind: recompute the kept rows from scratch (reference lane, slow on purpose;
@@ -71,10 +77,33 @@ class HostEngine:
                     self._forward(keep, r.slot)
             del rows[r.start :]
             rows.extend(r.token_ids)
-            logits = self._forward(list(r.token_ids), r.slot)
+            x = self._with_images(r) if r.embeds else None  # an image prompt's chunk
+            logits = self._forward(list(r.token_ids), r.slot, x)
             if not r.pick_at:
                 outs.append(RunOutput(()))
                 continue
             tokens, read = pick_run(r, logits[list(r.pick_at)].float(), rows)
             outs.append(RunOutput(tuple(tokens), tuple(read)))
         return StepOutput(tuple(outs))
+
+    def _with_images(self, r) -> torch.Tensor:
+        """The run's input rows [T, D]: the token table's, with the features of its <image> rows."""
+        x = self.model.get_input_embeddings()(torch.tensor(r.token_ids))
+        for e in r.embeds:
+            lo, hi = max(e.start, r.start), min(e.start + e.count, r.end)
+            if lo < hi:
+                x[lo - r.start : hi - r.start] = self.embeddings[e.key][lo - e.start : hi - e.start].to(x.dtype)
+        return x
+
+    @torch.inference_mode()
+    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Tiles [N, 3, S, S] -> transformers' image features [N * seq, D] (engine.Engine's call)."""
+        return self.model.model.get_image_features(pixels[None].to(self.dtype)).pooler_output[0]
+
+    def put_embeddings(self, key: int, rows: torch.Tensor) -> None:
+        self.embeddings[key] = rows
+
+    def drop_embeddings(self, keys) -> None:
+        for key in keys:
+            self.embeddings.pop(key, None)
+

@@ -69,8 +69,9 @@ def run_prompt(model: Idefics3, ids, pixels, rows, kv, *, chunk: int) -> torch.T
     for s in range(0, len(ids), chunk):
         e = min(s + chunk, len(ids))
         inside = (rows >= s) & (rows < e)
-        at = Attend("prefill", (0,), torch.arange(s, e), torch.arange(s, e))
-        h = model(ids[s:e], at, kv, feats[inside], rows[inside] - s) if inside.any() else model(ids[s:e], at, kv)
+        embeds, where = (feats[inside], rows[inside] - s) if inside.any() else (None, None)
+        at = Attend("prefill", (0,), torch.arange(s, e), torch.arange(s, e), embeds=embeds, embed_rows=where)
+        h = model(ids[s:e], at, kv)
         out.append(model.logits(h))
     return torch.cat(out)
 

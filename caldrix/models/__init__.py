@@ -17,11 +17,13 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "caldrix.models.llama_load:load",
     "qwen3_5": "caldrix.models.qwen3_5_load:load",
     "qwen3_5_text": "caldrix.models.qwen3_5_load:load",
+    "idefics3": "caldrix.models.idefics3_load:load",
 }
 
 # config.json `architectures` names -> model_type, for configs that name a class only
 CLASS_NAMES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-               "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
+               "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+               "Idefics3ForConditionalGeneration": "idefics3"}
 
 
 def model_type(path: Path) -> str:

@@ -6,9 +6,9 @@ through the tower, folds each tile's n = (S/P)^2 patch rows into n / r^2 rows of
 width (the pixel shuffle, r = scale_factor), and projects those to the text width: one row per
 <image> token of the prompt, tiles in order. The text model then runs as for any llama prompt,
 except that the rows at the <image> positions take those features instead of the token table's
-row: `forward(ids, at, kv, image_embeds, image_offsets)`, an "embedding run".
+row: `at.embeds` / `at.embed_rows` of the pass, an "embedding run" (models/base.py).
 
-Calling convention, as for llama.py: `hidden = model(ids [T], at, kv)` -> [T, D],
+Calling convention, models/base.py's: `hidden = model(ids [T], at, kv)` -> [T, D],
 `model.logits(hidden)` -> float32 [T, V]; `Idefics3.new_state(...)` makes the per-slot KV state.
 
 Shapes: N tiles, n patches a tile, Dv vision width, r scale factor, D text width, T rows.
@@ -35,6 +35,14 @@ class Idefics3Config:
     text: DecoderConfig
     scale_factor: int
     image_token_id: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.text.max_positions
 
     @property
     def image_seq_len(self) -> int:
@@ -102,38 +110,44 @@ class Idefics3(nn.Module):
         self.proj = nn.Linear(cfg.vision.hidden_size * cfg.scale_factor ** 2, cfg.text.hidden_size, bias=False)
         self.text = Decoder(cfg.text)
 
+    # The text model's state is a KV cache: rows at position p depend on tokens 0..p-1 only.
+    reuses_rows = True
+
     @staticmethod
     def new_state(cfg: Idefics3Config, num_slots: int, rows: int, dtype: torch.dtype, device) -> KVCache:
         """The text model's KV rows: the vision tower keeps no state between calls."""
         return KVCache(cfg.text, num_slots, rows, dtype, device)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.text.dtype
+
+    def setup(self, rows: int) -> None:
+        """The text model's RoPE tables for `rows` positions."""
+        self.text.setup_rope(rows)
+
     def setup_rope(self, rows: int) -> None:
         self.text.setup_rope(rows)
+
+    def uses_native(self, device) -> bool:
+        return self.text.uses_native(device)
 
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, 3, S, S] (the tiles of one or more images, in prompt order) -> [N * seq, D]
         in the text model's dtype: the rows for the prompt's <image> positions, in order."""
-        x = self.vision(pixels)  # [N, n, Dv]
+        x = self.vision(pixels.to(self.vision_dtype))  # [N, n, Dv]
         x = self.proj(pixel_shuffle(x, self.cfg.scale_factor))  # [N, seq, D]
         return x.reshape(-1, x.shape[-1]).to(self.text.norm.weight.dtype)
 
-    def forward(self, token_ids: torch.Tensor, at: Attend, kv: KVCache, image_embeds: torch.Tensor | None = None,
-                image_offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """token_ids [T] -> hidden [T, D]. With `image_embeds` [K, D], row `image_offsets[k]` of
-        this run (an offset into its T rows, a prefill run's) takes feature row k instead of
-        its token's embedding; the ids there are <image> tokens and are not looked up."""
-        if image_embeds is None:
-            return self.text(token_ids, at, kv)
-        text = self.text
-        x = text.embed(token_ids)
-        x[image_offsets] = image_embeds.to(x.dtype)
-        # Decoder.forward's layer loop, from embeddings (the decode-form fast paths do not
-        # apply: image rows only ever arrive in prompt chunks).
-        cos = text.cos[at.positions].to(x.dtype).unsqueeze(1)
-        sin = text.sin[at.positions].to(x.dtype).unsqueeze(1)
-        for layer in text.layers:
-            x = layer(x, cos, sin, at, kv)
-        return x
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        return self.proj.weight.dtype
+
+    def forward(self, token_ids: torch.Tensor, at: Attend, kv: KVCache) -> torch.Tensor:
+        """token_ids [T] -> hidden [T, D]. Rows `at.embed_rows` take `at.embeds` (image features,
+        an "embedding run") instead of their token's embedding (base.input_rows, in the text
+        model); the ids there are <image> tokens and are not looked up."""
+        return self.text(token_ids, at, kv)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.text.logits(hidden)

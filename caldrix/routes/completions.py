@@ -31,12 +31,18 @@ def _state():
     return current_app.extensions["caldrix"]
 
 
+def _vision():
+    """The server's VisionServing (caldrix/vision/serving.py), or None on a text model."""
+    return current_app.extensions.get("caldrix.vision")
+
+
 def limits(rt) -> ModelLimits:
     return ModelLimits(
         served_name=rt.served_name,
         vocab_size=rt.vocab_size,
         context=rt.context,
         has_chat_template=rt.tokenizer.has_chat_template,
+        has_vision=_vision() is not None,
     )
 
 
@@ -54,6 +60,8 @@ async def chat_completions():
     rt, _ = _state()
     body = parse_body(await request.get_data(cache=False))
     req = parse_chat(body, limits(rt), rt.cfg.sampling, default_seed=rt.cfg.seed)
+    if _vision() is not None:
+        return await _vision_chat(rt, req)
     try:
         ids = tuple(rt.tokenizer.render_chat(req.messages))
     except ChatTemplateError as exc:
@@ -61,13 +69,53 @@ async def chat_completions():
     return await _generate("chatcmpl", "chat.completion", req, ids, "messages")
 
 
-async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_param: str):
-    rt, submit_tx = _state()
+async def _vision_chat(rt, req):
+    """A chat request on a vision model: the prompt planned from the images' headers, the
+    context checked, and only then the images decoded and embedded (in the decode limiter)."""
+    from caldrix.vision.limiter import DecodeQueueFull
+    from caldrix.vision.prompt import plan_prompt
+    from caldrix.vision.serving import ImageFailed, embed_request
+
+    vs = _vision()
+    hf = rt.tokenizer.hf
+    render = lambda conv: hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    encode = lambda text: hf.encode(text, add_special_tokens=False)  # noqa: E731
+    try:
+        plan = plan_prompt(render, encode, req.messages, vs.tokens, vs.settings)
+    except ValueError as exc:  # the template's <image> count against the images
+        raise ApiError.invalid(str(exc), "messages") from None
+    except Exception as exc:  # jinja2's TemplateError, or whatever the template trips on
+        raise ApiError.invalid(f"the chat template refused these messages: {exc}", "messages") from None
+    ids = plan.prompt.ids
+    if not plan.images:
+        return await _generate("chatcmpl", "chat.completion", req, ids, "messages")
     if not ids:
-        raise ApiError.invalid("the prompt is empty", prompt_param)
-    max_tokens = reply_budget(len(ids), req.max_tokens, limits(rt), prompt_param)
+        raise ApiError.invalid("the prompt is empty", "messages")
+    reply_budget(len(ids), req.max_tokens, limits(rt), "messages")  # before any image is decoded
     if rt.scheduler.failed:
         raise ApiError.engine_unavailable()
+    try:
+        spans = await embed_request(vs, plan, rt.engine.embed_images, rt.engine.put_embeddings)
+    except DecodeQueueFull:
+        raise ApiError.image_queue_full() from None
+    except ImageFailed as exc:
+        raise ApiError.invalid(str(exc), exc.param) from None
+    return await _generate("chatcmpl", "chat.completion", req, ids, "messages", embeds=spans)
+
+
+async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_param: str, *, embeds: tuple = ()):
+    """`embeds`: an image request's embedding spans, whose rows the engine holds already; such a
+    request reuses no held rows, leaves none, and is never captured by the replay ring."""
+    rt, submit_tx = _state()
+    try:
+        if not ids:
+            raise ApiError.invalid("the prompt is empty", prompt_param)
+        max_tokens = reply_budget(len(ids), req.max_tokens, limits(rt), prompt_param)
+        if rt.scheduler.failed:
+            raise ApiError.engine_unavailable()
+    except ApiError:
+        _drop(rt, embeds)
+        raise
     rid = f"{prefix}-{next(_ids)}"
     gen = GenRequest(
         request_id=rid,
@@ -76,14 +124,18 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
         sampling=req.sampling,
         stop_token_ids=frozenset() if req.ignore_eos else rt.tokenizer.eos_token_ids,
         stops=req.stop,
+        reuse_prefix=not embeds,
+        embeds=embeds,
     )
     try:
         rx = submit(submit_tx, gen)
     except QueueFull:
+        _drop(rt, embeds)  # never handed over: the scheduler will not drop them
         refuse(rid, gen, 429, stream=req.stream)
         wait = backoff.retry_after_s(rt.telemetry.records(), submit_tx.statistics().current_buffer_used, rt.cfg.max_batch)
         raise ApiError.queue_full(backoff.headers(wait)) from None
     except EngineStopped:
+        _drop(rt, embeds)
         refuse(rid, gen, 503, stream=req.stream)
         raise ApiError.engine_unavailable() from None
     chat = obj == "chat.completion"
@@ -113,6 +165,11 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
     if req.return_token_ids:
         choice["token_ids"] = tokens
     return json_response({**head, "choices": [choice], "object": obj, "usage": _usage(len(ids), len(tokens), spec)})
+
+
+def _drop(rt, embeds: tuple) -> None:
+    if embeds:
+        rt.engine.drop_embeddings({e.key for e in embeds})
 
 
 def _usage(prompt: int, completion: int, spec: tuple[int, int] | None = None) -> dict:

@@ -55,7 +55,15 @@ def _last() -> int | None:
 
 @bp.get("/metrics")
 async def metrics():
-    return Response(_telemetry().metrics.render(), content_type=CONTENT_TYPE)
+    body = _telemetry().metrics.render()
+    vision = current_app.extensions.get("caldrix.vision")
+    if vision is not None:  # the image decode limiter, now (caldrix/vision/limiter.py)
+        lim = vision.limiter
+        body += ("# TYPE caldrix_image_decoding gauge\n"
+                 f"caldrix_image_decoding {lim.decoding}\n"
+                 "# TYPE caldrix_image_decode_waiting gauge\n"
+                 f"caldrix_image_decode_waiting {lim.waiting}\n").encode()
+    return Response(body, content_type=CONTENT_TYPE)
 
 
 @bp.get("/debug/requests")

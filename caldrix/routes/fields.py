@@ -31,7 +31,7 @@ class ModelLimits:
 
     `vocab_size` is the model's (its embedding rows), which may exceed the tokenizer's
     length; a prompt of token ids is checked against it. `context` is the rows per sequence.
-    `has_vision` is False on every model this release serves: image parts are then refused.
+    `has_vision`: the model takes image parts (an idefics3 server); elsewhere they are refused.
     """
 
     served_name: str

@@ -365,7 +365,7 @@ def _message(m: Any, path: str, ctx: ModelLimits) -> ChatMessage:
     elif isinstance(content, list) and ctx.has_vision:  # parts stay parts, in order
         from caldrix.vision.messages import vision_message
 
-        return _raise_refusal(vision_message(_ROLES[role], content, cpath, lambda p, at: _text_part(p, at, ctx)))
+        return _raise_refusal(vision_message(ROLES[role], content, cpath, lambda p, at: _text_part(p, at, ctx)))
     elif isinstance(content, list):
         text = "\n".join(_text_part(p, f"{cpath}[{j}]", ctx) for j, p in enumerate(content))
     else:

@@ -57,3 +57,16 @@ def prepare_image(part: ImagePart, s: ProcessorSettings = SMOLVLM_256M) -> Prepa
     if isinstance(im, DecodeFailure):
         return im
     return preprocess(im, part.detail, s)
+
+
+def image_runs(image_rows: Sequence[int]) -> list[tuple[int, int]]:
+    """The prompt's <image> rows as (start, count) runs of consecutive positions, in order (one a
+    tile: markers stand between tiles). Run k takes the next `count` feature rows, so each is
+    one embedding span (protocol.EmbedSpan) over its own slice of the features."""
+    runs: list[tuple[int, int]] = []
+    for r in image_rows:
+        if runs and runs[-1][0] + runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((r, 1))
+    return runs

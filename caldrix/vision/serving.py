@@ -1,0 +1,98 @@
+"""What a server holds to serve images, and a chat request's images turned into embedding spans.
+
+Built once at start-up for a vision model (`VisionServing.load`): the image token ids looked up
+in the model's tokenizer, the processor settings read from the model directory, and the one
+server-wide DecodeLimiter. Per request, `embed_request` runs each image's decode, preprocessing
+and vision-tower pass inside one limiter slot (one image at a time, in a worker thread) and
+hands the features to the engine under one key per run of consecutive <image> rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from caldrix.protocol import EmbedSpan
+from caldrix.vision.images import DecodeFailure, ImagePart
+from caldrix.vision.limiter import DecodeLimiter
+from caldrix.vision.preprocess import ImageTokens, ProcessorSettings
+from caldrix.vision.prompt import VisionPlan, image_runs, prepare_image
+
+_keys = itertools.count(1)  # embedding keys, unique in the process (the engine's table is shared)
+
+
+def settings_from_dir(path: Path) -> ProcessorSettings:
+    """The processor's settings as the model directory publishes them: preprocessor_config.json
+    (size.longest_edge, max_image_size.longest_edge, rescale_factor, image_mean, image_std) and
+    processor_config.json (image_seq_len); the tile size and tokens a tile from config.json
+    where those files are absent."""
+    path = Path(path)
+
+    def read(name: str) -> dict[str, Any]:
+        f = path / name
+        return json.loads(f.read_text()) if f.is_file() else {}
+
+    cfg, pre, proc = read("config.json"), read("preprocessor_config.json"), read("processor_config.json")
+    vision = cfg.get("vision_config") or {}
+    tile = int((pre.get("max_image_size") or {}).get("longest_edge") or vision.get("image_size", 512))
+    per_side = tile // int(vision.get("patch_size", 16))
+    seq = int(proc.get("image_seq_len") or per_side ** 2 // int(cfg.get("scale_factor", 4)) ** 2)
+    base = ProcessorSettings()
+    return ProcessorSettings(
+        longest_edge=int((pre.get("size") or {}).get("longest_edge", 4 * tile)),
+        tile=tile,
+        image_seq_len=seq,
+        rescale_factor=float(pre.get("rescale_factor", base.rescale_factor)),
+        mean=tuple(pre.get("image_mean", base.mean)),
+        std=tuple(pre.get("image_std", base.std)),
+    )
+
+
+@attrs.define(eq=False)
+class VisionServing:
+    tokens: ImageTokens
+    settings: ProcessorSettings
+    limiter: DecodeLimiter
+
+    @classmethod
+    def load(cls, path: Path, token_to_id: Callable[[str], int | None], queue_depth: int) -> "VisionServing":
+        return cls(ImageTokens.lookup(token_to_id), settings_from_dir(path), DecodeLimiter(queue_depth))
+
+
+class ImageFailed(Exception):
+    """An image passed its header checks but could not be decoded: a 400 at `param`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+async def embed_request(vs: VisionServing, plan: VisionPlan, embed: Callable[[torch.Tensor], torch.Tensor],
+                        put: Callable[[int, torch.Tensor], None]) -> tuple[EmbedSpan, ...]:
+    """The plan's images decoded, preprocessed and through the vision tower (`embed`: tiles ->
+    feature rows), one at a time in the limiter's slot; the features handed to the engine
+    (`put(key, rows)`) and the spans that name them. Raises DecodeQueueFull (429) without
+    waiting when the queue is full, ImageFailed (400) for an image that cannot be decoded."""
+
+    def one(part: ImagePart) -> torch.Tensor:
+        got = prepare_image(part, vs.settings)
+        if isinstance(got, DecodeFailure):
+            raise ImageFailed(got.message, got.param)
+        return embed(got.pixels)
+
+    feats = await vs.limiter.run(plan.images, one)
+    rows = torch.cat(feats) if feats else None
+    spans, used = [], 0
+    for start, count in image_runs(plan.prompt.image_rows):
+        key = next(_keys)
+        put(key, rows[used : used + count])
+        spans.append(EmbedSpan(key, start, count))
+        used += count
+    if rows is not None and used != rows.shape[0]:
+        raise AssertionError(f"{rows.shape[0]} feature rows for {used} <image> tokens")
+    return tuple(spans)
