@@ -15,7 +15,6 @@ target is the vocabulary: a token id has to mean the same text in both (`vocab_m
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -105,10 +104,3 @@ def model_identity(path: Path) -> str:
         h.update(src.read_bytes())
     return h.hexdigest()[:16]
 
-
-def describe(path: Path) -> str:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-        return f"{cfg.get('model_type', '?')} {cfg.get('num_hidden_layers', '?')} layers"
-    except (OSError, ValueError):
-        return "?"
