@@ -292,8 +292,18 @@ def test_speculation_memory_round_trip_through_a_restart(pair, tmp_path):
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
         spec = got["usage"]["speculative"]
         assert spec["proposed"] > 0
-        rec = httpx.get(srv.url + "/debug/requests").json()["data"][-1]
-        assert rec["speculative"] == spec
+        from openai import OpenAI
+
+        client = OpenAI(base_url=srv.url + "/v1", api_key="none")
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **body))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want["choices"][0]["text"]
+        streamed = chunks[-1].usage.model_extra["speculative"]
+        assert streamed["proposed"] > 0
+        recs = httpx.get(srv.url + "/debug/requests").json()["data"]
+        assert [r["speculative"] for r in recs[-2:]] == [spec, streamed]
+        metrics = httpx.get(srv.url + "/metrics").text.splitlines()
+        drafts = [x for x in metrics if x.startswith("caldrix:spec_decode_draft_tokens_total")]
+        assert float(drafts[0].split()[-1]) == spec["proposed"] + streamed["proposed"]
         assert "--speculation-memory" not in srv.stderr
     saved = json.loads(mem.read_text())
     assert saved["identity"].startswith("target=") and " draft=" in saved["identity"]
