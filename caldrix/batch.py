@@ -48,6 +48,10 @@ class Run:
     # After the run, keep the slot's state at `end` as a snapshot under this key (not on a
     # verify run, whose rows past the kept guesses are thrown away). 0: none.
     snapshot: int = 0
+    # --speculate draft: token_ids is the last known token alone; the engine's draft model
+    # proposes up to this many guesses after it and the run becomes a verify of them
+    # (RunOutput.drafted says which). 0: none.
+    draft: int = 0
 
     @property
     def end(self) -> int:
@@ -70,6 +74,8 @@ class Batch:
 class RunOutput:
     token_ids: tuple[int, ...]  # one per pick_at offset
     read: tuple[float, ...] = ()  # one per read_ids entry
+    # A draft run's guesses, verified: token_ids then has one pick per guess and one after them.
+    drafted: tuple[int, ...] = ()
 
 
 @attrs.frozen

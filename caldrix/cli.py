@@ -61,18 +61,17 @@ def check_speculation(args: argparse.Namespace) -> str | None:
     """What is wrong with the speculation flags before any weight is loaded; None if nothing.
     What depends on the engine (whether it can verify exactly) is checked by runtime.py."""
     mode = args.speculate
-    if mode == "draft":
-        return ("--speculate draft: draft models are not in this release; --speculate ngram proposes "
-                "from the request's own tokens")
-    if args.draft is not None and mode != "auto":
-        return "--draft: needs --speculate auto (draft models are not in this release)"
-    if args.speculation_memory is not None and mode != "auto":
-        return "--speculation-memory: keeps a draft model's tuner state; needs --speculate auto"
-    if mode == "ngram" and args.max_batch > 1:
-        return (f"--speculate ngram: speculation decodes single-stream and this server is batched "
+    if mode == "draft" and args.draft is None:
+        return "--speculate draft: needs --draft DIR|alias|GGUF, the draft model"
+    if args.draft is not None and mode not in ("draft", "auto"):
+        return "--draft: needs --speculate draft or auto"
+    if args.speculation_memory is not None and mode not in ("draft", "auto"):
+        return "--speculation-memory: keeps a draft model's tuner state; needs --speculate draft or auto"
+    if mode in ("ngram", "draft") and args.max_batch > 1:
+        return (f"--speculate {mode}: speculation decodes single-stream and this server is batched "
                 f"(--max-batch {args.max_batch}); restart with --max-batch 1")
-    if mode == "ngram" and getattr(args, "weight_budget", None) is not None:
-        return "--speculate ngram: refused with --weight-budget, which streams layers from host memory each pass"
+    if mode in ("ngram", "draft") and getattr(args, "weight_budget", None) is not None:
+        return f"--speculate {mode}: refused with --weight-budget, which streams layers from host memory each pass"
     if mode == "off":
         for flag, value in (("--draft-tokens", args.draft_tokens), ("--ngram", args.ngram)):
             if value is not None:
@@ -125,8 +124,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-name", default=None, help="the model name the server answers to")
     g.add_argument("--speculate", choices=["off", "ngram", "auto", "draft"], default="off",
                    help="speculative decoding, single-stream (--max-batch 1): ngram proposes from the request's own "
-                        "tokens; auto takes ngram where the server can verify; draft is not in this release")
-    g.add_argument("--draft", default=None, metavar="DIR", help="draft model (not in this release: refused, or under auto a note)")
+                        "tokens; draft has --draft's model guess; auto takes draft when --draft loads, else ngram, where the "
+                        "server can verify")
+    g.add_argument("--draft", default=None, metavar="DIR", help="draft model: a directory, alias or GGUF, as MODEL; it must share the model's vocabulary")
     g.add_argument("--draft-tokens", type=_int_in(1, MAX_DRAFT_TOKENS), default=None,
                    help=f"guesses per verify, 1..{MAX_DRAFT_TOKENS} (default: tuned live)")
     g.add_argument("--ngram", type=_ngram, default=None, metavar="MIN:MAX",

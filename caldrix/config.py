@@ -32,7 +32,7 @@ class ServeConfig:
     replay_ring: int = 256
     log_level: str = "info"
     graceful_timeout: float = 30.0
-    # Speculative decoding (http-api.md): off | ngram | auto; draft models are not in this release.
+    # Speculative decoding (http-api.md): off | ngram | draft | auto.
     speculate: str = "off"
     draft: str | None = None
     draft_tokens: int | None = None  # None: tuned live

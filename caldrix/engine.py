@@ -20,6 +20,7 @@ import logging
 import os
 from pathlib import Path
 
+import attrs
 import torch
 
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
@@ -93,6 +94,8 @@ class Engine:
         self.embeddings: dict[int, torch.Tensor] = {}
         # Snapshots by key (Run.snapshot, Run.restore): the state's own, and the slot's token ids then.
         self._snapshots: dict[int, tuple[Snapshot | None, tuple[int, ...]]] = {}  # None: spoiled
+        # --speculate draft: the draft model's proposer (draft.py), set by the runtime.
+        self.drafter = None
 
     @property
     def kv(self):
@@ -246,6 +249,8 @@ class Engine:
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:
+        if any(r.draft for r in batch.runs):
+            return self._step_drafted(batch)
         decode = [r for r in batch.runs if len(r.token_ids) == 1 or r.verify]
         prefill = [r for r in batch.runs if len(r.token_ids) > 1 and not r.verify]
         # Set per step, in whichever worker thread runs it (OpenMP's count is per thread).
@@ -301,6 +306,24 @@ class Engine:
         return StepOutput(
             tuple(RunOutput(tuple(picked.get(id(r), ())), tuple(reads.get(id(r), ()))) for r in batch.runs)
         )
+
+    def _step_drafted(self, batch: Batch) -> StepOutput:
+        """A step with draft runs: the draft model proposes each one's guesses, then the step
+        verifies them as the verify runs they become (Run.draft)."""
+        assert self.drafter is not None, "a draft run without a draft model"
+        runs, drafted = [], []
+        for r in batch.runs:
+            guesses = ()
+            if r.draft:
+                assert len(r.token_ids) == 1 and not r.restore, "a draft run is one decode token"
+                known = self._rows[r.slot][: r.start] + list(r.token_ids)
+                guesses = self.drafter.propose(known, min(r.draft, self.context - r.end), batch.threads)
+                r = attrs.evolve(r, token_ids=r.token_ids + guesses, pick_at=tuple(range(1 + len(guesses))),
+                                 verify=bool(guesses), draft=0)
+            runs.append(r)
+            drafted.append(guesses)
+        out = self.step(attrs.evolve(batch, runs=tuple(runs)))
+        return StepOutput(tuple(attrs.evolve(o, drafted=g) for o, g in zip(out.runs, drafted)))
 
     def _decode_inputs(self, runs: list[Run]) -> tuple[torch.Tensor, Attend]:
         """Decode rows' token ids [rows] and their Attend: one row per run, or one per token of

@@ -91,7 +91,8 @@ class Runtime:
             say("caldrix: speculation off")
         else:
             length = f"{spec.draft_tokens} guesses" if spec.draft_tokens else "guesses tuned live"
-            say(f"caldrix: speculation ngram {spec.min_n}:{spec.max_n}, {length}, for greedy requests")
+            how = f"draft {self.cfg.draft}" if spec.mode == "draft" else f"ngram {spec.min_n}:{spec.max_n}"
+            say(f"caldrix: speculation {how}, {length}, for greedy requests")
 
 
 def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | None:
@@ -131,10 +132,18 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     else:
         engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
                              int4_from=_int4_source(cfg, src.path, lane, dtype))
-    speculation, notes = resolve_speculation(cfg, lane, engine)
+    tokenizer = Tokenizer.load(src.path)
+    identity: list[str] = []
+    try:
+        speculation, notes = resolve_speculation(
+            cfg, lane, engine, lambda: identity.append(load_draft(cfg, lane, engine, tokenizer, src.path)))
+    except DraftRefused as e:
+        raise e.args[0] from None
     notes = (*kernel_notes(lane), *notes)
     policy = Policy(SlotTable(cfg.max_batch, reuse_rows=getattr(engine, "reuses_rows", True)), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk,
                     speculation=speculation)
+    if identity and cfg.speculation_memory:
+        notes = (*notes, *speculation_memory(cfg, policy, identity[0]))
     rt = Runtime(
         cfg=cfg,
         served_name=cfg.served_name or src.served_name,
@@ -143,13 +152,29 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         lane=lane,
         dtype_name=str(dtype).removeprefix("torch."),
         engine=engine,
-        tokenizer=Tokenizer.load(src.path),
+        tokenizer=tokenizer,
         scheduler=Scheduler(engine, policy),
         speculation=speculation,
         notes=notes,
     )
     release_freed_heap()
     return rt
+
+
+def speculation_memory(cfg: ServeConfig, policy, identity: str) -> tuple[str, ...]:
+    """--speculation-memory under a draft model: the policy's tuner starts from the file's state
+    (unless --draft-tokens fixes the length) and saves it back; notes for a foreign, corrupt or
+    unreadable file (a fresh start) and for a path that cannot be written."""
+    from caldrix.sched.spec_memory import SpeculationMemory
+
+    memory = SpeculationMemory(Path(cfg.speculation_memory), identity)
+    state, note = memory.load()
+    if state is not None:
+        policy.tuner.restore(state)
+    policy.memory = memory
+    # Written once now, so a path that cannot be written is said at start, not at the end.
+    unwritable = memory.save(policy.tuner.state())
+    return tuple(n for n in (note, unwritable) if n)
 
 
 def pick_lane(backend: str) -> str:
@@ -190,24 +215,21 @@ def kernel_notes(lane: str) -> tuple[str, ...]:
     return (f"the compiled decode kernels are off ({why}): decode runs on plain torch ops, several times slower",)
 
 
-def resolve_speculation(cfg: ServeConfig, lane: str, engine) -> tuple[object, tuple[str, ...]]:
+def resolve_speculation(cfg: ServeConfig, lane: str, engine, load_draft=None) -> tuple[object, tuple[str, ...]]:
     """--speculate against the loaded engine: (SpecConfig or None, notes for the start-up).
 
-    An explicit ngram is refused (FlagError, exit 2) where the engine's probe finds that a
-    verify pass does not compute each row exactly as a decode step (Engine.check_verify);
-    auto turns itself off there, or when the server is batched, with a note. cli.py has
-    already refused what needs no engine to judge (draft mode, ngram when batched)."""
+    An explicit ngram or draft is refused (FlagError, exit 2) where the engine's probe finds
+    that a verify pass does not compute each row exactly as a decode step (Engine.check_verify),
+    or the server is batched or streams its weights; auto turns itself off there with a note.
+    `load_draft()` loads --draft into the engine (load_draft below); under auto a draft that
+    fails to load gives way to n-gram lookup with a note, but a draft whose vocabulary is not
+    the target's refuses the start in either mode (DraftRefused)."""
     from caldrix.config import FlagError
     from caldrix.sched.speculate import SpecConfig
 
     notes: list[str] = []
     if cfg.speculate == "off":
         return None, ()
-    if cfg.speculate == "auto" and cfg.draft is not None:
-        notes.append("--draft: draft models are not in this release; n-gram lookup instead"
-                     + (", and --speculation-memory is neither read nor written" if cfg.speculation_memory else ""))
-    elif cfg.speculate == "auto" and cfg.speculation_memory:
-        notes.append("--speculation-memory holds a draft model's state: neither read nor written under n-gram lookup")
     why = None
     if cfg.weight_budget is not None:
         from caldrix.weight_budget import speculation_refusal
@@ -220,7 +242,52 @@ def resolve_speculation(cfg: ServeConfig, lane: str, engine) -> tuple[object, tu
     else:
         why = engine.check_verify()
     if why is not None:
-        if cfg.speculate == "ngram":
-            raise FlagError(f"--speculate ngram: {why}")
-        return None, (*notes, f"speculation off: {why}")
-    return SpecConfig(min_n=cfg.ngram[0], max_n=cfg.ngram[1], draft_tokens=cfg.draft_tokens), tuple(notes)
+        if cfg.speculate != "auto":
+            raise FlagError(f"--speculate {cfg.speculate}: {why}")
+        return None, (f"speculation off: {why}",)
+    mode = "ngram"
+    if cfg.speculate == "draft" or (cfg.speculate == "auto" and cfg.draft is not None):
+        try:
+            load_draft()
+            mode = "draft"
+        except DraftRefused:
+            raise
+        except Exception as e:  # noqa: BLE001 - any load failure: refused, or n-gram under auto
+            if cfg.speculate == "draft":
+                raise FlagError(f"--draft {cfg.draft}: did not load ({e})") from e
+            notes.append(f"--draft {cfg.draft}: did not load ({e}); n-gram lookup instead"
+                         + (", and --speculation-memory is neither read nor written" if cfg.speculation_memory else ""))
+    elif cfg.speculation_memory:
+        notes.append("--speculation-memory holds a draft model's state: neither read nor written under n-gram lookup")
+    return (SpecConfig(min_n=cfg.ngram[0], max_n=cfg.ngram[1], draft_tokens=cfg.draft_tokens, mode=mode),
+            tuple(notes))
+
+
+class DraftRefused(Exception):
+    """A draft that loaded but cannot serve the target (another vocabulary): the start fails."""
+
+
+def load_draft(cfg: ServeConfig, lane: str, engine, tokenizer, model_dir: Path) -> str:
+    """Load --draft as MODEL is loaded, in its own one-slot Engine on the same lane, and give
+    the target engine its proposer (engine.drafter). The draft keeps 4-bit GGUF blocks where
+    the lane runs them, whatever --weights says (it is there to be fast; the target verifies).
+    Returns the pair's identity for --speculation-memory. DraftRefused where the vocabularies
+    differ or the draft cannot take back rows; any other exception: the draft did not load."""
+    from caldrix.config import FlagError
+    from caldrix.draft import DraftProposer, model_identity, vocab_mismatch
+    from caldrix.engine import Engine
+    from caldrix.tokenizer import Tokenizer
+    from caldrix.weights.source import resolve
+
+    src = resolve(cfg.draft, progress=False)
+    draft_tok = Tokenizer.load(src.path)
+    dtype = engine.dtype
+    draft = Engine.load(src.path, dtype=dtype, max_batch=1, context=engine.context, device=engine.device,
+                        int4_from=_int4_source(attrs.evolve(cfg, weights="auto"), src.path, lane, dtype))
+    differs = vocab_mismatch(model_dir, src.path, tokenizer, draft_tok, engine.vocab_size, draft.vocab_size)
+    if differs is None and not draft.reuses_rows:
+        differs = "the draft keeps a recurrent state, which cannot take back a rejected guess"
+    if differs is not None:
+        raise DraftRefused(FlagError(f"--draft {cfg.draft}: cannot draft for this model: {differs}"))
+    engine.drafter = DraftProposer(draft)
+    return f"target={model_identity(model_dir)} draft={model_identity(src.path)}"

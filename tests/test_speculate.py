@@ -319,9 +319,9 @@ def caldrix(*args: str, timeout: float = 300):
 
 
 @pytest.mark.parametrize("args, flag, says", [
-    (["serve", "--speculate", "draft"], "--speculate", "draft models are not in this release"),
+    (["serve", "--speculate", "draft"], "--speculate", "needs --draft"),
     (["serve", "--speculate", "ngram", "--max-batch", "2"], "--speculate", "restart with --max-batch 1"),
-    (["serve", "--speculate", "ngram", "--draft", "some/dir"], "--draft", "--speculate auto"),
+    (["serve", "--speculate", "ngram", "--draft", "some/dir"], "--draft", "--speculate draft or auto"),
     (["serve", "--speculate", "ngram", "--speculation-memory", "m.json"], "--speculation-memory", "draft"),
     (["serve", "--draft-tokens", "3"], "--draft-tokens", "no effect without --speculate"),
     (["serve", "--speculate", "ngram", "--draft-tokens", "9"], "--draft-tokens", "1..8"),
@@ -414,8 +414,8 @@ def test_auto_turns_itself_off_with_a_note():
     assert spec is None and notes[-1].startswith("speculation off: the host lane")
     cfg = ServeConfig(speculate="auto", draft="d", speculation_memory="m", ngram=(1, 3), draft_tokens=2)
     spec, notes = resolve_speculation(cfg, "cpu", Verifies())
-    assert attrs.astuple(spec) == (1, 3, 2)
-    assert "n-gram lookup instead" in notes[0] and "neither read nor written" in notes[0]
+    assert attrs.astuple(spec) == ("ngram", 1, 3, 2)
+    assert "did not load" in notes[0] and "n-gram lookup instead" in notes[0] and "neither read nor written" in notes[0]
 
 
 def test_http_speculative_usage_records_and_metrics(smollm2_dir):

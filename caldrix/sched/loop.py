@@ -106,6 +106,9 @@ class Scheduler:
         try:
             await self._serve(requests, task_status)
         finally:
+            note = self.policy.stopped()  # --speculation-memory keeps the tuner's state
+            if note is not None:
+                log.warning("caldrix: %s", note)
             for lane in (self.run_step, self.run_prefill):
                 for thread in getattr(lane, "threads", ()):
                     thread.close()  # nothing is in flight: both lanes' steps were awaited

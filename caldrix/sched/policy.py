@@ -21,7 +21,11 @@ from caldrix.batch import Batch, Run, StepOutput
 from caldrix.protocol import FinishReason, TokenEvent
 from caldrix.sched.sequence import Sequence, Status
 from caldrix.sched.slots import SlotTable
+from caldrix.sched.spec_memory import SpeculationMemory
 from caldrix.sched.speculate import DraftTuner, NgramIndex, SpecConfig, accepted
+
+SAVE_EVERY = 64  # verifies between saves of --speculation-memory, so a crash keeps most
+DRAFT_PROBE_EVERY = 32  # draft mode, tuned to no guesses: one guess every this many plain steps
 
 
 @attrs.frozen
@@ -41,6 +45,11 @@ class Policy:
     speculation: SpecConfig | None = None
     tuner: DraftTuner = attrs.field(default=attrs.Factory(
         lambda self: DraftTuner(fixed=self.speculation.draft_tokens if self.speculation else None), takes_self=True))
+    # --speculation-memory (draft mode): the tuner's state is saved every SAVE_EVERY verifies
+    # and when the scheduler stops (`stopped`). None: not kept.
+    memory: SpeculationMemory | None = None
+    _verifies: int = 0
+    _plain: int = 0  # draft mode: plain steps since the tuner chose no guesses
 
     @property
     def can_admit(self) -> bool:
@@ -78,6 +87,18 @@ class Policy:
 
     def _decode_run(self, seq: Sequence) -> Run:
         guesses: tuple[int, ...] = ()
+        if seq.speculating and self.speculation.mode == "draft":
+            # The engine's draft model guesses (Run.draft). With no guesses chosen, a plain
+            # step now and then tries one, so the acceptance estimate keeps moving (n-gram
+            # lookups do that for free: `shadow`).
+            room = seq.sub.max_tokens - len(seq.output) - 1
+            k = self.tuner.next_length()
+            if k == 0:
+                self._plain += 1
+                k = 1 if self._plain % DRAFT_PROBE_EVERY == 0 else 0
+            k = min(k, room)
+            return Run(slot=seq.slot, start=seq.num_computed, token_ids=(seq.output[-1],), pick_at=(0,),
+                       sampling=seq.sub.sampling, draw_index=len(seq.output), draft=max(k, 0))
         if seq.speculating:
             if seq.ngram is None:
                 seq.ngram = NgramIndex(self.speculation.min_n, self.speculation.max_n)
@@ -101,7 +122,12 @@ class Policy:
     def timed(self, work: Work, seconds: float) -> None:
         """The loop reports how long a decode step took: the draft tuner weighs row counts by it."""
         if self.speculation is not None and len(work.seqs) == 1:
-            self.tuner.timed(work.batch.num_tokens, seconds)
+            self.tuner.timed(work.batch.num_tokens + work.batch.runs[0].draft, seconds)
+
+    def stopped(self) -> str | None:
+        """The scheduler stops: keep the tuner's state (--speculation-memory); a note if it
+        could not be written."""
+        return self.memory.save(self.tuner.state()) if self.memory is not None else None
 
     def schedule_prefill(self) -> Work | None:
         """Prompt chunks, oldest sequence first, within `prefill_budget` tokens (the first
@@ -156,13 +182,17 @@ class Policy:
                 events.append((seq, self._finish(seq, FinishReason.STOP, None, read=res.read)))
                 continue
             picks = res.token_ids
-            if run.verify:
-                guesses = run.token_ids[1:]
+            verify = run.verify or bool(res.drafted)  # a draft run verifies what the draft model guessed
+            if verify:
+                guesses = res.drafted or run.token_ids[1:]
                 kept = accepted(guesses, picks)
                 self.tuner.record(len(guesses), kept)
                 seq.proposed += len(guesses)
                 seq.accepted += kept
                 picks = picks[: kept + 1]  # the kept guesses, then the model's own pick
+                self._verifies += 1
+                if self.memory is not None and self._verifies % SAVE_EVERY == 0:
+                    self.stopped()
             else:
                 picks = picks[-1:]
                 if seq.shadow is not None:
@@ -170,7 +200,7 @@ class Policy:
                     seq.shadow = None
             before = len(seq.output)
             for i, token in enumerate(picks):
-                if run.verify:
+                if verify:
                     # Valid rows: the last known token and the guesses kept before pick i. Rows
                     # past them hold rejected guesses, to be rewritten; a slot released here
                     # holds only the valid ones.

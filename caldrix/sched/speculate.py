@@ -28,13 +28,17 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class SpecConfig:
-    """--speculate ngram's settings."""
+    """--speculate's settings as resolved at start: mode "ngram" (the sequence's own n-grams
+    propose) or "draft" (the engine's draft model proposes, Run.draft)."""
 
+    mode: str = attrs.field(default="ngram", kw_only=True)
     min_n: int = 2
     max_n: int = 4
     draft_tokens: int | None = None  # None: tuned live between 1 and MAX_DRAFT_TOKENS
 
     def __attrs_post_init__(self) -> None:
+        if self.mode not in ("ngram", "draft"):
+            raise ValueError(f"speculation mode must be ngram or draft, got {self.mode!r}")
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram lengths must satisfy 1 <= min <= max, got {self.min_n}:{self.max_n}")
         if self.draft_tokens is not None and not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
