@@ -125,6 +125,28 @@ class Qwen35Config:
         )
 
 
+class PackedLinear(nn.Module):
+    """A bias-free bfloat16 Linear whose weight oneDNN has reordered into its blocked layout
+    once, at load. On an avx512_bf16 CPU its matmul at a few rows (decode) reads the weight
+    about 1.5x faster than F.linear on the plain layout, which at one row is memory bound on
+    a path that converts as it goes; results per row are the same whatever the row count."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed,
+                                               None, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def can_pack(dtype: torch.dtype, device) -> bool:
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def zc_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm: `scale` is 1 + w, float32, made at load; the product is taken in
     float32 and then cast, as transformers' Qwen3_5RMSNorm does (llama casts first)."""
@@ -288,6 +310,17 @@ class Qwen35(nn.Module):
         self.norm_scale = nn.Parameter(torch.ones(cfg.hidden_size, dtype=torch.float32))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cos = self.sin = None
+        self.head: nn.Module | None = None  # set by pack(): the head's weight, packed
+
+    def pack(self) -> None:
+        """Swap every bias-free Linear, and the head, for a PackedLinear (bfloat16 on a CPU with
+        oneDNN's bf16 support: see can_pack). The tied head gets a packed copy of the embedding
+        (the lookup needs the plain rows): 0.5 GB more at decider-0.8b's shape."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear and child.bias is None:
+                    setattr(module, name, PackedLinear(child.weight))
+        self.head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed.weight)
 
     @staticmethod
     def new_state(cfg: Qwen35Config, num_slots: int, rows: int, dtype: torch.dtype, device="cpu") -> Qwen35State:
@@ -313,6 +346,11 @@ class Qwen35(nn.Module):
         form: one row per slot, each at its slot's length or at 0; rows with length 0 are
         padding (they run into a scratch slot and their result is meaningless). Any other
         position raises: the recurrent state cannot go back (restore a snapshot instead)."""
+        # The delta rule's decays (exp of sums of log-decays) and the recurrent matrices they
+        # scale reach float32's subnormal range, where x86 arithmetic runs tens of times slower;
+        # flushing subnormals to zero changes results by under 1.2e-38. The flag is per thread
+        # (MXCSR), so it is set on whichever thread runs the model, each call.
+        torch.set_flush_denormal(True)
         top = state.begin(at)
         if self.cos is None or top >= self.cos.shape[0]:
             self.setup_rope(max(2 * top, 256))
@@ -326,8 +364,11 @@ class Qwen35(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> float32 logits [N, V]."""
+        x = zc_norm(hidden, self.norm_scale, self.cfg.rms_norm_eps)
+        if self.head is not None:
+            return self.head(x).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(zc_norm(hidden, self.norm_scale, self.cfg.rms_norm_eps), w).float()
+        return F.linear(x, w).float()
 
 
 def load_qwen35(path: Path, dtype: torch.dtype, device="cpu") -> Qwen35:
@@ -389,4 +430,7 @@ def load_qwen35(path: Path, dtype: torch.dtype, device="cpu") -> Qwen35:
     missing, unexpected = model.load_state_dict(ours, strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"loading {path}: unexpected weights {sorted(unexpected)[:3]}, missing {sorted(missing)[:3]}")
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    if can_pack(dtype, device):
+        model.pack()
+    return model
