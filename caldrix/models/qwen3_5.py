@@ -147,6 +147,11 @@ def can_pack(dtype: torch.dtype, device) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, contiguous, in one copy (x.to(dtype) keeps a transposed layout)."""
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+
+
 def zc_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm: `scale` is 1 + w, float32, made at load; the product is taken in
     float32 and then cast, as transformers' Qwen3_5RMSNorm does (llama casts first)."""
@@ -238,36 +243,44 @@ class LinearAttention(nn.Module):
         nk, nv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
         mixed, z, b, a = self.w_in(x).split(self.sizes, dim=-1)
         conv_state, rec_state = state.conv[self.slot], state.rec[self.slot]  # [S, W, K-1], [S, nv, dk, dv]
-        if at.kind == "decode":
-            rows = at.slot_index
-            window = torch.cat((conv_state.index_select(0, rows), mixed.unsqueeze(-1)), dim=-1)  # [T, W, K]
-            conv_state.index_copy_(0, rows, window[..., 1:])
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [T, nv], log-space decay <= 0
+        beta = b.sigmoid().float()
+        if at.kind == "decode" or T == 1:
+            if at.kind == "decode":
+                rows = at.slot_index
+                window = torch.cat((conv_state.index_select(0, rows), mixed.unsqueeze(-1)), dim=-1)  # [T, W, K]
+                conv_state.index_copy_(0, rows, window[..., 1:])
+            else:
+                rows = torch.tensor(at.slots, device=x.device)
+                window = torch.cat((conv_state[at.slots[0]], mixed.t()), dim=-1)[None]  # [1, W, K]
+                conv_state[at.slots[0]] = window[0, :, 1:]
             mixed = F.silu((window * self.conv).sum(-1))  # [T, W]
+            q, k, v = mixed.float().split((nk * dk, nk * dk, nv * dv), dim=-1)
+            q = gated_delta.l2norm(q.view(T, nk, dk), scale=dk ** -0.5)
+            k = gated_delta.l2norm(k.view(T, nk, dk))
+            if nv != nk:  # each key head serves nv/nk consecutive value heads
+                q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
+            v = v.reshape(T, nv, dv)
+            # one row: its slot's matrices in place (a view); several: gathered and put back
+            s = rec_state[at.slots[0]] if T == 1 else rec_state.index_select(0, rows)
+            o = gated_delta.recurrent(q.reshape(T * nv, dk), k.reshape(T * nv, dk), v.reshape(T * nv, dv),
+                                      g.reshape(T * nv), beta.reshape(T * nv), s.view(T * nv, dk, dv))
+            if T > 1:
+                rec_state.index_copy_(0, rows, s)
+            o = o.view(T, nv, dv)
         else:
             (slot,) = at.slots
             window = torch.cat((conv_state[slot], mixed.t()), dim=-1)  # [W, K-1+T]
             conv_state[slot] = window[:, -(cfg.conv_kernel - 1):]
-            mixed = F.silu(F.conv1d(window.unsqueeze(0), self.conv.unsqueeze(1), groups=cfg.conv_dim)[0].t())
-        q, k, v = mixed.split((nk * dk, nk * dk, nv * dv), dim=-1)
-        q = gated_delta.l2norm(q.view(T, nk, dk).float()) * dk ** -0.5
-        k = gated_delta.l2norm(k.view(T, nk, dk).float())
-        if nv != nk:  # each key head serves nv/nk consecutive value heads
-            q = q.repeat_interleave(nv // nk, dim=1)
-            k = k.repeat_interleave(nv // nk, dim=1)
-        v = v.reshape(T, nv, dv).float()
-        g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [T, nv], log-space decay <= 0
-        beta = b.sigmoid().float()
-        if at.kind == "decode" or T == 1:
-            rows = at.slot_index if at.kind == "decode" else torch.tensor(at.slots, device=x.device)
-            s = rec_state.index_select(0, rows).view(T * nv, dk, dv)
-            o = gated_delta.recurrent(q.reshape(T * nv, dk), k.reshape(T * nv, dk), v.reshape(T * nv, dv),
-                                      g.reshape(T * nv), beta.reshape(T * nv), s)
-            rec_state.index_copy_(0, rows, s.view(T, nv, dk, dv))
-            o = o.view(T, nv, dv)
-        else:
-            (slot,) = at.slots
-            o, s = gated_delta.chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       g.t().contiguous(), beta.t().contiguous(), rec_state[slot])
+            mixed = F.silu(F.conv1d(window.unsqueeze(0), self.conv.unsqueeze(1), groups=cfg.conv_dim)[0])  # [W, T]
+            # straight to the head-major float32 rows the chunked rule runs over: one copy each
+            q, k, v = (dense(m.view(heads, dim, T).transpose(1, 2), torch.float32) for m, heads, dim in
+                       zip(mixed.split((nk * dk, nk * dk, nv * dv)), (nk, nk, nv), (dk, dk, dv)))
+            q = gated_delta.l2norm(q, scale=dk ** -0.5)  # [nk, T, dk]
+            k = gated_delta.l2norm(k)
+            if nv != nk:
+                q, k = q.repeat_interleave(nv // nk, dim=0), k.repeat_interleave(nv // nk, dim=0)
+            o, s = gated_delta.chunked(q, k, v, g.t().contiguous(), beta.t().contiguous(), rec_state[slot])
             rec_state[slot] = s
             o = o.transpose(0, 1)  # [T, nv, dv]
         # gated RMSNorm, with transformers' casts: norm in float32, weight in the model dtype,
