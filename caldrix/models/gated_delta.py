@@ -50,20 +50,31 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     """T tokens per head, continuing from `state`.
 
     q, k [N, T, dk]; v [N, T, dv]; g, beta [N, T]; state [N, dk, dv], all float32.
-    Returns (o [N, T, dv], the final state [N, dk, dv]); `state` itself is not written."""
+    Returns (o [N, T, dv], the final state [N, dk, dv]); `state` itself is not written.
+    The whole chunks run together; a last partial chunk runs after them as a shorter chunk
+    (rather than padded, which cost six passes over q, k and v)."""
     N, T, dk = k.shape
-    dv = v.shape[-1]
     # callers should pass contiguous head-major rows; strided, every pass below ran 3x slower
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    c = min(chunk, T)
-    pad = -T % c
-    if pad:  # zero keys and zero decay: padded tokens neither write nor forget
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
-    n = (T + pad) // c
+    out = torch.empty(N, T, v.shape[-1], dtype=q.dtype, device=q.device)
+    full = T - T % chunk
+    s = state
+    for lo, hi, c in ((0, full, chunk), (full, T, T - full)):
+        if hi > lo:
+            s = _chunks(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], s, c, out[:, lo:hi])
+    return out, s
+
+
+def _chunks(q, k, v, g, beta, state, c: int, out) -> torch.Tensor:
+    """`chunked` over a stretch that is a whole number of chunks of c tokens, writing o into
+    `out` [N, T, dv]; returns the final state."""
+    N, T, dk = k.shape
+    dv = v.shape[-1]
+    n = T // c
     q, k, v = q.view(N, n, c, dk), k.view(N, n, c, dk), v.view(N, n, c, dv)
     beta = beta.view(N, n, c, 1)
-    cum = g.view(N, n, c).cumsum(-1)  # [N, n, c]: log of the decay from the chunk's start to t
+    out = out.view(N, n, c, dv)
+    cum = g.reshape(N, n, c).cumsum(-1)  # [N, n, c]: log of the decay from the chunk's start to t
     later = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
     # decay[i, j] = exp(cum_i - cum_j): what position j's write has lost by position i (j <= i)
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill_(later, float("-inf")).exp_()  # [N, n, c, c]
@@ -75,12 +86,12 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     w = torch.linalg.solve_triangular(system, kb.mul_(grow), upper=False, unitriangular=True)  # [N, n, c, dk]
     inside = torch.matmul(q, k.transpose(-1, -2)).mul_(decay)  # [N, n, c, c]: reads of this chunk's own writes
     q_in = q * grow  # reads of the carried state, decayed to each position
-    k_out = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)  # [N, n, dk, c]: writes, decayed to the chunk's end
+    # writes, decayed to the chunk's end, transposed for the state update: [N, n, dk, c]
+    k_out = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
     carry = cum[..., -1].exp()[..., None, None]  # [N, n, 1, 1]
-    out = torch.empty(N, n, c, dv, dtype=q.dtype, device=q.device)
     s = state
     for i in range(n):
         fresh = torch.baddbmm(u[:, i], w[:, i], s, alpha=-1)  # [N, c, dv]: the writes, less what s predicts
         out[:, i] = torch.baddbmm(torch.bmm(q_in[:, i], s), inside[:, i], fresh)
         s = torch.baddbmm(s * carry[:, i], k_out[:, i], fresh)
-    return out.view(N, n * c, dv)[:, :T], s
+    return s
