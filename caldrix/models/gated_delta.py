@@ -22,6 +22,17 @@ from __future__ import annotations
 import torch
 
 CHUNK = 64
+# Log-decays below this are taken as total forgetting: exp() of them would be under 1e-26, and
+# products with them land in float32's subnormal range, where x86 arithmetic runs ~100x
+# slower (a random model's decays reach e^-20 a token; its prefill ran 4x slower). Exactly
+# zero instead changes a result by under 1e-26 of its size. The model also flushes subnormals
+# to zero on its own thread; this covers the others (intra-op threads) and any left.
+FLOOR = -60.0
+
+
+def decay_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for log-decays x <= 0, with exactly 0 below FLOOR."""
+    return x.masked_fill(x < FLOOR, float("-inf")).exp_()
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
@@ -38,7 +49,7 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     """One token per head, in place on `state`.
 
     q, k [N, dk]; v [N, dv]; g, beta [N]; state [N, dk, dv], all float32. Returns o [N, dv]."""
-    state.mul_(g.exp()[:, None, None])
+    state.mul_(decay_exp(g)[:, None, None])
     predicted = torch.bmm(k.unsqueeze(1), state).squeeze(1)  # [N, dv] = k^T S
     delta = (v - predicted) * beta[:, None]
     state.baddbmm_(k.unsqueeze(2), delta.unsqueeze(1))  # S += k delta^T
@@ -77,18 +88,19 @@ def _chunks(q, k, v, g, beta, state, c: int, out) -> torch.Tensor:
     cum = g.reshape(N, n, c).cumsum(-1)  # [N, n, c]: log of the decay from the chunk's start to t
     later = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
     # decay[i, j] = exp(cum_i - cum_j): what position j's write has lost by position i (j <= i)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill_(later, float("-inf")).exp_()  # [N, n, c, c]
+    diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
+    decay = diff.masked_fill_(later | (diff < FLOOR), float("-inf")).exp_()  # [N, n, c, c]
     kb = k * beta
     # (I + strictly-lower(beta k k^T * decay)) solves the chunk's interleaved writes at once
     system = torch.matmul(kb, k.transpose(-1, -2)).mul_(decay)
     u = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)  # [N, n, c, dv]
-    grow = cum.exp().unsqueeze(-1)  # [N, n, c, 1]
+    grow = decay_exp(cum).unsqueeze(-1)  # [N, n, c, 1]
     w = torch.linalg.solve_triangular(system, kb.mul_(grow), upper=False, unitriangular=True)  # [N, n, c, dk]
     inside = torch.matmul(q, k.transpose(-1, -2)).mul_(decay)  # [N, n, c, c]: reads of this chunk's own writes
     q_in = q * grow  # reads of the carried state, decayed to each position
     # writes, decayed to the chunk's end, transposed for the state update: [N, n, dk, c]
-    k_out = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
-    carry = cum[..., -1].exp()[..., None, None]  # [N, n, 1, 1]
+    k_out = (k * decay_exp(cum[..., -1:] - cum).unsqueeze(-1)).transpose(-1, -2)
+    carry = decay_exp(cum[..., -1])[..., None, None]  # [N, n, 1, 1]
     s = state
     for i in range(n):
         fresh = torch.baddbmm(u[:, i], w[:, i], s, alpha=-1)  # [N, c, dv]: the writes, less what s predicts
