@@ -1,10 +1,15 @@
 """Qwen3.5 at decider-0.8b's shape: caldrix's models/qwen3_5.py against transformers' torch fallback.
 
-    nice .venv/bin/python bench/qwen3_5.py [--dtype float32] [--prompt 1000] [--tokens 32] [--dir DIR]
+    nice -n 5 .venv/bin/python bench/qwen3_5.py [--dtype auto|float32|bfloat16] [--prompt 1000]
+        [--tokens 32] [--threads N] [--rounds R] [--ftz-transformers] [--dir DIR]
 
 One random model (seed 0, transformers' own init), saved once as bf16 safetensors under --dir
-and loaded by both sides in --dtype. Each side runs in a child process of its own, one after
-the other, so that each peak RSS is its own: load, a 16-token warm-up, then a --prompt-token
+and loaded by both sides in --dtype. `auto` (the default) is each side as a user runs it by
+default: caldrix in bfloat16 where oneDNN has bf16 kernels for this CPU (else float32), as the
+engine's --dtype auto does, and transformers' from_pretrained with no dtype argument (5.x:
+the checkpoint's config dtype, bfloat16 here). Each side runs in a child process of its own,
+so that each peak RSS is its own, the sides alternating for --rounds rounds (the machine is
+shared: each side's best round is reported, and the spread). In each: load, a 16-token warm-up, then a --prompt-token
 prefill in one call (timed; logits of the last row only, which is also what transformers'
 generate asks for), then --tokens greedy decode steps single stream (timed from the second).
 transformers runs a plain loop over its forward with its cache, no generate() around it, and
@@ -90,6 +95,8 @@ def run_ours(path: Path, dtype, prompt: list[int], steps: int) -> dict:
     from caldrix.models.base import Attend
     from caldrix.models.qwen3_5 import Qwen35, load_qwen35
 
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     t = time.perf_counter()
     model = load_qwen35(path, dtype)
     load_s = time.perf_counter() - t
@@ -116,7 +123,8 @@ def run_ours(path: Path, dtype, prompt: list[int], steps: int) -> dict:
             clock.lap()
             last = decode(tokens[-1], len(prompt) + i)
             times.append(clock.lap())
-    return dict(load_s=load_s, prefill_s=prefill_s, step_s=times, tokens=tokens, first=first.tolist())
+    return dict(load_s=load_s, prefill_s=prefill_s, step_s=times, tokens=tokens, first=first.tolist(),
+                dtype=str(model.dtype))
 
 
 def run_transformers(path: Path, dtype, prompt: list[int], steps: int) -> dict:
@@ -126,7 +134,8 @@ def run_transformers(path: Path, dtype, prompt: list[int], steps: int) -> dict:
 
     fast = [n for n in ("fla", "causal_conv1d") if importlib.util.find_spec(n) is not None]
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    kw = {} if dtype is None else {"dtype": dtype}  # None: transformers' own default
+    model = AutoModelForCausalLM.from_pretrained(path, **kw).eval()
     load_s = time.perf_counter() - t
     with torch.inference_mode():
         model(input_ids=torch.tensor([prompt[:16]]), use_cache=True, logits_to_keep=1)
@@ -143,13 +152,15 @@ def run_transformers(path: Path, dtype, prompt: list[int], steps: int) -> dict:
             times.append(clock.lap())
             cache, last = out.past_key_values, out.logits[0, -1].float()
     return dict(load_s=load_s, prefill_s=prefill_s, step_s=times, tokens=tokens, first=first.tolist(),
-                kernels=fast or "torch fallbacks")
+                kernels=fast or "torch fallbacks", dtype=str(model.dtype))
 
 
 def child(args) -> None:
     import torch
 
-    dtype = getattr(torch, args.dtype)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    if args.ftz and args.child == "transformers":
+        torch.set_flush_denormal(True)  # what caldrix's forward does; off in transformers by default
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = torch.randint(0, 248000, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -161,7 +172,10 @@ def child(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the two sides this many times")
+    ap.add_argument("--ftz-transformers", dest="ftz", action="store_true",
+                    help="flush subnormals to zero in transformers' process too, as caldrix does")
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in both (0: torch's default)")
@@ -177,30 +191,44 @@ def main() -> None:
     if not (path / "config.json").exists():
         progress(f"building the random 0.8b-shaped checkpoint in {path}")
         subprocess.run([sys.executable, __file__, "--child", "make", "--dir", str(path)], check=True)
-    res = {}
-    for side in ("caldrix", "transformers"):
-        progress(f"{side}: {args.dtype}, prefill {args.prompt}, decode {args.tokens}")
-        out = path / f"result-{side}.json"
-        subprocess.run([sys.executable, __file__, "--child", side, "--out", str(out), "--dir", str(path),
-                        "--dtype", args.dtype, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
-                        "--threads", str(args.threads)],
-                       check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        res[side] = json.loads(out.read_text())
+    runs: dict[str, list[dict]] = {"caldrix": [], "transformers": []}
+    for r in range(args.rounds):
+        for side in runs:
+            progress(f"round {r + 1}/{args.rounds}, {side}: {args.dtype}, prefill {args.prompt}, decode {args.tokens}")
+            out = path / f"result-{side}.json"
+            subprocess.run([sys.executable, __file__, "--child", side, "--out", str(out), "--dir", str(path),
+                            "--dtype", args.dtype, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
+                            "--threads", str(args.threads)] + (["--ftz-transformers"] if args.ftz else []),
+                           check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            runs[side].append(json.loads(out.read_text()))
+    res = {side: v[0] for side, v in runs.items()}
     ours, theirs = res["caldrix"], res["transformers"]
     diff = max(abs(a - b) for a, b in zip(ours["first"], theirs["first"]))
     same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
-    print(f"Qwen3.5 0.8b shape, random weights, {args.dtype}, {ours['threads']} threads; "
-          f"transformers kernels: {theirs['kernels']}")
-    print(f"{'':22}{'caldrix':>10}{'transformers':>14}{'ratio':>8}")
+    print(f"Qwen3.5 0.8b shape, random weights, --dtype {args.dtype} (caldrix {ours['dtype']}, transformers "
+          f"{theirs['dtype']}), {ours['threads']} threads, best of {args.rounds} alternating rounds; transformers "
+          f"kernels: {theirs['kernels']}{', subnormals flushed' if args.ftz else ''}")
+    print(f"{'':24}{'caldrix':>10}{'transformers':>14}{'ratio':>8}")
+
+    def tps(v, k):  # decode tokens/s, from the second step on
+        return (len(v["step_s"]) - 1) / sum(t[k] for t in v["step_s"][1:])
+
     for k, clock in enumerate(("wall", "cpu")):
-        tps = {s: (len(v["step_s"]) - 1) / sum(t[k] for t in v["step_s"][1:]) for s, v in res.items()}
-        pre = {s: v["prefill_s"][k] for s, v in res.items()}
-        print(f"{'decode tok/s (' + clock + ')':22}{tps['caldrix']:10.2f}{tps['transformers']:14.2f}"
-              f"{tps['caldrix'] / tps['transformers']:8.2f}x  (target >= 3x)")
-        print(f"{f'prefill {args.prompt} s ({clock})':22}{pre['caldrix']:10.2f}{pre['transformers']:14.2f}"
-              f"{pre['transformers'] / pre['caldrix']:8.2f}x  (target >= 2x)")
-    print(f"{'peak RSS MiB':22}{ours['peak_rss_mib']:10.0f}{theirs['peak_rss_mib']:14.0f}")
-    print(f"{'load s (wall)':22}{ours['load_s']:10.2f}{theirs['load_s']:14.2f}")
+        dec = {s: [tps(v, k) for v in vs] for s, vs in runs.items()}
+        pre = {s: [v["prefill_s"][k] for v in vs] for s, vs in runs.items()}
+        d = {s: max(x) for s, x in dec.items()}
+        p = {s: min(x) for s, x in pre.items()}
+        spread = "" if args.rounds == 1 else (f"  rounds: {', '.join(f'{x:.2f}' for x in dec['caldrix'])} / "
+                                               f"{', '.join(f'{x:.2f}' for x in dec['transformers'])}")
+        print(f"{'decode tok/s (' + clock + ')':24}{d['caldrix']:10.2f}{d['transformers']:14.2f}"
+              f"{d['caldrix'] / d['transformers']:8.2f}x  (target >= 3x){spread}")
+        spread = "" if args.rounds == 1 else (f"  rounds: {', '.join(f'{x:.2f}' for x in pre['caldrix'])} / "
+                                               f"{', '.join(f'{x:.2f}' for x in pre['transformers'])}")
+        print(f"{f'prefill {args.prompt} s ({clock})':24}{p['caldrix']:10.2f}{p['transformers']:14.2f}"
+              f"{p['transformers'] / p['caldrix']:8.2f}x  (target >= 2x){spread}")
+    rss = {s: max(v["peak_rss_mib"] for v in vs) for s, vs in runs.items()}
+    print(f"{'peak RSS MiB':24}{rss['caldrix']:10.0f}{rss['transformers']:14.0f}")
+    print(f"{'load s (wall)':24}{ours['load_s']:10.2f}{theirs['load_s']:14.2f}")
     print(f"prefill last-row logits max |diff| {diff:.2e}; greedy tokens equal {same}/{len(ours['tokens'])}")
 
 if __name__ == "__main__":
