@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import attrs
 import trio
 
-from caldrix.protocol import FinishReason, SamplingParams, Submission, TokenEvent
+from caldrix.protocol import FinishReason, SamplingParams, StateLease, Submission, TokenEvent
 from caldrix.text import IncrementalDetokenizer, StopMatcher
 
 
@@ -47,7 +47,8 @@ class GenRequest:
     stops: tuple[str, ...] = ()
 
 
-def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tuple[int, ...] = ()) -> trio.MemoryReceiveChannel[TokenEvent]:
+def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tuple[int, ...] = (),
+           lease: StateLease | None = None, keep_state: bool = False) -> trio.MemoryReceiveChannel[TokenEvent]:
     """Queue req without waiting. Returns the receive end of its event channel, which the
     caller owns and must close (closing it early cancels the generation).
 
@@ -63,6 +64,8 @@ def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tupl
         stop_token_ids=req.stop_token_ids,
         events=tx,
         read_ids=read_ids,
+        lease=lease,
+        keep_state=keep_state,
     )
     try:
         submit_tx.send_nowait(sub)

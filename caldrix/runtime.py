@@ -29,6 +29,8 @@ class Runtime:
     # Speculation as resolved at start (None: off), and why auto left it off or changed it.
     speculation: object = None  # sched.speculate.SpecConfig | None
     notes: tuple[str, ...] = ()
+    # The model's decider_config.json, read at load (caldrix.decider.Decider), or None.
+    decider: object = None
     # The replay ring and the metrics (telemetry.py); fed by the scheduler's on_finish hook.
     telemetry: Telemetry = attrs.field(default=attrs.Factory(lambda rt: rt._new_telemetry(), takes_self=True))
 
@@ -84,6 +86,11 @@ class Runtime:
         scratch = " and a scratch slot" if getattr(self.engine, "pad_decode", False) else ""
         slots = f"{cfg.max_batch} slot" + ("s" if cfg.max_batch > 1 else "")
         say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({slots}{scratch}, {self.context} rows each)")
+        if self.decider is not None:
+            from caldrix.decider.config import startup_lines
+
+            for line in startup_lines(self.decider.config):
+                say(f"caldrix: {line}")
         for note in self.notes:
             say(f"caldrix: note: {note}")
         spec = self.speculation
@@ -107,6 +114,7 @@ def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | 
 
 
 def load_runtime(cfg: ServeConfig) -> Runtime:
+    from caldrix.decider.plan import Decider
     from caldrix.engine import Engine, resolve_dtype
     from caldrix.weights.source import resolve
     from caldrix.sched.policy import Policy
@@ -135,6 +143,10 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     notes = (*kernel_notes(lane), *notes)
     policy = Policy(SlotTable(cfg.max_batch, reuse_rows=getattr(engine, "reuses_rows", True)), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk,
                     speculation=speculation)
+    tokenizer = Tokenizer.load(src.path)
+    # A decider_config.json beside the weights makes the model a decider; a config that cannot
+    # be served stops the load here, its message naming the file and the key.
+    decider = Decider.load(src.path, tokenizer, engine.vocab_size)
     rt = Runtime(
         cfg=cfg,
         served_name=cfg.served_name or src.served_name,
@@ -143,8 +155,9 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         lane=lane,
         dtype_name=str(dtype).removeprefix("torch."),
         engine=engine,
-        tokenizer=Tokenizer.load(src.path),
+        tokenizer=tokenizer,
         scheduler=Scheduler(engine, policy),
+        decider=decider,
         speculation=speculation,
         notes=notes,
     )
