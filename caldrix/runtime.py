@@ -114,6 +114,7 @@ def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | 
 
 
 def load_runtime(cfg: ServeConfig) -> Runtime:
+    from caldrix.decider import config as dconfig
     from caldrix.decider.plan import Decider
     from caldrix.engine import Engine, resolve_dtype
     from caldrix.weights.source import resolve
@@ -122,6 +123,10 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     from caldrix.tokenizer import Tokenizer
 
     src = resolve(cfg.model)
+    # A decider_config.json beside the weights makes the model a decider. It is checked before
+    # the weights load: a config that cannot be served stops the load, naming the file and the key.
+    found = dconfig.find(src.path)
+    decider_cfg = dconfig.load(found) if found is not None else None
     lane = pick_lane(cfg.backend)
     refused = lane_refusal(architecture_of(src.path), lane)
     if refused is None and cfg.weight_budget is not None:
@@ -144,9 +149,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     policy = Policy(SlotTable(cfg.max_batch, reuse_rows=getattr(engine, "reuses_rows", True)), chunk=cfg.prefill_chunk, prefill_budget=cfg.prefill_chunk,
                     speculation=speculation)
     tokenizer = Tokenizer.load(src.path)
-    # A decider_config.json beside the weights makes the model a decider; a config that cannot
-    # be served stops the load here, its message naming the file and the key.
-    decider = Decider.load(src.path, tokenizer, engine.vocab_size)
+    decider = None if decider_cfg is None else Decider.from_config(decider_cfg, tokenizer, engine.vocab_size)
     rt = Runtime(
         cfg=cfg,
         served_name=cfg.served_name or src.served_name,
