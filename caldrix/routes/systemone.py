@@ -7,6 +7,11 @@ a time through the request queue as read-only submissions (429 for the whole req
 queue is full, 503 when the engine has stopped, 500 when it failed or a reading is not finite)
 -> the answers, in the request's order.
 
+A request of several probes sharing their first ids (the decider's state piece, Probe.shared)
+gets a StateLease: the first probe keeps the model's state at the end of those ids, the later
+ones start from it, and usage counts what was read; the lease is released in the handler's
+finally, however it ends, and the scheduler task drops the kept state.
+
 Each probe is its own scheduler request with its own id ("so-7.0", "so-7.1", ...), so the
 replay ring and /metrics count every one; their records carry the status the client got.
 """
