@@ -30,11 +30,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# This file's folder leaves the path: its name would hide decider-ai's `decider` package.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from qwen3_5 import make  # noqa: E402  (bench/qwen3_5.py: the shape and the builder)
+
+def _bench_qwen3_5():
+    """bench/qwen3_5.py (the shape and the builder), loaded by its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_qwen3_5", ROOT / "bench" / "qwen3_5.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 WORDS = ("order", "refund", "parcel", "invoice", "delay", "customer", "charged", "twice", "account", "login",
          "shipping", "address", "payment", "card", "support", "ticket", "reply", "week", "problem", "again")
@@ -50,7 +59,7 @@ def model_dir(base: Path) -> Path:
 
     if not (base / "config.json").exists():
         progress(f"building the random 0.8b-shaped checkpoint in {base}")
-        make(base)
+        _bench_qwen3_5().make(base)
     out = base.parent / (base.name + "-decider")
     out.mkdir(exist_ok=True)
     for f in list(base.glob("*.json")) + list(base.glob("*.safetensors")):
