@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import attrs
 import trio
 
-from caldrix.protocol import FinishReason, SamplingParams, Submission, TokenEvent
+from caldrix.protocol import FinishReason, SamplingParams, StateLease, Submission, TokenEvent
 from caldrix.text import IncrementalDetokenizer, StopMatcher
 
 
@@ -50,7 +50,8 @@ class GenRequest:
     embeds: tuple = ()  # protocol.EmbedSpan
 
 
-def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tuple[int, ...] = ()) -> trio.MemoryReceiveChannel[TokenEvent]:
+def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tuple[int, ...] = (),
+           lease: StateLease | None = None, keep_state: bool = False) -> trio.MemoryReceiveChannel[TokenEvent]:
     """Queue req without waiting. Returns the receive end of its event channel, which the
     caller owns and must close (closing it early cancels the generation).
 
@@ -68,6 +69,8 @@ def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tupl
         read_ids=read_ids,
         reuse_prefix=req.reuse_prefix,
         embeds=req.embeds,
+        lease=lease,
+        keep_state=keep_state,
     )
     try:
         submit_tx.send_nowait(sub)

@@ -76,6 +76,21 @@ class EmbedSpan:
     count: int
 
 
+@attrs.define(eq=False)
+class StateLease:
+    """A model state kept for several read-only prompts of one request (the decider reading's
+    state read once): the state after the first `length` prompt tokens, which every prompt of
+    the request shares, kept by the engine under `key`.
+
+    The route makes it and sets `released` (synchronously, in its finally) when the request
+    ends, however it ends; the scheduler task then drops the engine's snapshot. Nothing else
+    touches it."""
+
+    key: int  # nonzero, unique among live leases
+    length: int
+    released: bool = False
+
+
 @attrs.frozen(eq=False)
 class Submission:
     """A validated request, handed to the scheduler through the bounded request channel.
@@ -102,6 +117,11 @@ class Submission:
     # Input embeddings for some prompt positions (image features), held by the engine under
     # each span's key; the scheduler drops them from the engine when the request ends.
     embeds: tuple[EmbedSpan, ...] = ()
+    # A state shared with the request's other prompts (read-only requests): with `keep_state`
+    # this prompt keeps the state after its first lease.length tokens; without, it starts from
+    # that kept state where the scheduler still has it, else reads the prompt whole.
+    lease: StateLease | None = None
+    keep_state: bool = False
     # When the route handed it over (monotonic seconds): queue time and TTFT count from here.
     arrived: float = attrs.field(factory=time.monotonic)
 

@@ -29,6 +29,8 @@ class Runtime:
     # Speculation as resolved at start (None: off), and why auto left it off or changed it.
     speculation: object = None  # sched.speculate.SpecConfig | None
     notes: tuple[str, ...] = ()
+    # The model's decider_config.json, read at load (caldrix.decider.Decider), or None.
+    decider: object = None
     # The replay ring and the metrics (telemetry.py); fed by the scheduler's on_finish hook.
     telemetry: Telemetry = attrs.field(default=attrs.Factory(lambda rt: rt._new_telemetry(), takes_self=True))
 
@@ -84,6 +86,11 @@ class Runtime:
         scratch = " and a scratch slot" if getattr(self.engine, "pad_decode", False) else ""
         slots = f"{cfg.max_batch} slot" + ("s" if cfg.max_batch > 1 else "")
         say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({slots}{scratch}, {self.context} rows each)")
+        if self.decider is not None:
+            from caldrix.decider.config import startup_lines
+
+            for line in startup_lines(self.decider.config):
+                say(f"caldrix: {line}")
         for note in self.notes:
             say(f"caldrix: note: {note}")
         spec = self.speculation
@@ -108,6 +115,8 @@ def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | 
 
 
 def load_runtime(cfg: ServeConfig) -> Runtime:
+    from caldrix.decider import config as dconfig
+    from caldrix.decider.plan import Decider
     from caldrix.engine import Engine, resolve_dtype
     from caldrix.weights.source import resolve
     from caldrix.sched.policy import Policy
@@ -115,6 +124,10 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     from caldrix.tokenizer import Tokenizer
 
     src = resolve(cfg.model)
+    # A decider_config.json beside the weights makes the model a decider. It is checked before
+    # the weights load: a config that cannot be served stops the load, naming the file and the key.
+    found = dconfig.find(src.path)
+    decider_cfg = dconfig.load(found) if found is not None else None
     lane = pick_lane(cfg.backend)
     refused = lane_refusal(architecture_of(src.path), lane)
     if refused is None and cfg.weight_budget is not None:
@@ -144,6 +157,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
                     speculation=speculation)
     if identity and cfg.speculation_memory:
         notes = (*notes, *speculation_memory(cfg, policy, identity[0]))
+    decider = None if decider_cfg is None else Decider.from_config(decider_cfg, tokenizer, engine.vocab_size)
     rt = Runtime(
         cfg=cfg,
         served_name=cfg.served_name or src.served_name,
@@ -154,6 +168,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         engine=engine,
         tokenizer=tokenizer,
         scheduler=Scheduler(engine, policy),
+        decider=decider,
         speculation=speculation,
         notes=notes,
     )

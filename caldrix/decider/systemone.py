@@ -7,10 +7,9 @@ when the directory holds no decider_config.json); the route's `reading_for` pick
 zero-shot reading. The counts (1 to 64 questions, 2 to max_options options, 2 to 10 levels) are
 checked by the route's validation through `limits`, with the decider's prefix; the rest here.
 
-Every probe is a whole prompt and counts whole. Reading the state once needs the scheduler to
-keep the model's state after a probe's first `state_tokens` tokens and start the next probe of
-the request from it; until it does, every prompt is read whole, as the spec allows when the kept
-state cannot be taken.
+Every probe is a whole prompt whose first `shared` ids are the state's (Probe.shared): the route
+has the first probe keep the model's state there and the later ones start from it
+(Submission.lease), and counts what was actually read.
 """
 
 from __future__ import annotations
@@ -78,7 +77,8 @@ class DeciderReading:
             probes = []
             for i in range(qp.first_row, qp.first_row + qp.rows):
                 ids = got.prompt(i)
-                probes.append(Probe(ids=ids, read_ids=got.rows[i].read_ids, counted=len(ids)))
+                probes.append(Probe(ids=ids, read_ids=got.rows[i].read_ids, counted=len(ids),
+                                    shared=len(got.state_ids)))
             plans.append(Plan(q, tuple(probes)))
         return plans
 

@@ -7,6 +7,11 @@ a time through the request queue as read-only submissions (429 for the whole req
 queue is full, 503 when the engine has stopped, 500 when it failed or a reading is not finite)
 -> the answers, in the request's order.
 
+A request of several probes sharing their first ids (the decider's state piece, Probe.shared)
+gets a StateLease: the first probe keeps the model's state at the end of those ids, the later
+ones start from it, and usage counts what was read; the lease is released in the handler's
+finally, however it ends, and the scheduler task drops the kept state.
+
 Each probe is its own scheduler request with its own id ("so-7.0", "so-7.1", ...), so the
 replay ring and /metrics count every one; their records carry the status the client got.
 """
@@ -20,13 +25,14 @@ import logging
 import trio
 from quart import Blueprint, current_app, g, request
 
+from caldrix.decider.systemone import DeciderReading
 from caldrix.routes.responses import json_response
 from caldrix.generate import EngineStopped, GenRequest, QueueFull, submit
-from caldrix.protocol import FinishReason, SamplingParams
+from caldrix.protocol import FinishReason, SamplingParams, StateLease
 from caldrix.routes.debug import refuse
 from caldrix.routes.errors import ApiError
 from caldrix.systemone import jsonlex
-from caldrix.systemone.reading import NotFinite, Probe, Reading, ZeroShot, answer
+from caldrix.systemone.reading import NotFinite, Plan, Probe, Reading, ZeroShot, answer
 from caldrix.systemone.request import parse_body, parse_request
 
 log = logging.getLogger("caldrix.systemone")
@@ -34,15 +40,18 @@ bp = Blueprint("systemone", __name__)
 ROUTE = "/v1/systemone"
 NEEDS_SINGLE_STREAM = "/v1/systemone needs --max-batch 1"
 _ids = itertools.count(1)
+_lease_keys = itertools.count(1)  # the engine's snapshot keys: only this route takes any
 
 
 def reading_for(rt) -> Reading:
-    """The server's reading, made on first use and kept. The decider reading (issue 27) is
-    chosen here when the model directory holds a decider_config.json."""
+    """The server's reading, made on first use and kept: the decider reading when the model
+    directory held a decider_config.json at load (rt.decider), else the zero-shot one."""
     ext = current_app.extensions
     reading = ext.get("caldrix.systemone")
     if reading is None:
-        reading = ext["caldrix.systemone"] = ZeroShot(rt.tokenizer, rt.vocab_size)
+        decider = getattr(rt, "decider", None)
+        reading = DeciderReading(decider) if decider is not None else ZeroShot(rt.tokenizer, rt.vocab_size)
+        ext["caldrix.systemone"] = reading
     return reading
 
 
@@ -64,6 +73,7 @@ async def systemone():
 
     base = f"so-{next(_ids)}"
     g.caldrix_request_id = base
+    lease = _lease_for(rt, plans)
     ran: list[str] = []  # probes the scheduler took: their records get the route's half
     status = 499  # left as is only when the client went away (the handler was cancelled)
     try:
@@ -74,8 +84,10 @@ async def systemone():
                 rid = f"{base}.{len(ran)}"
                 if probe.text and log.isEnabledFor(logging.DEBUG):  # text only when asked for
                     log.debug("%s question %s prompt %s", rid, plan.question.name, json.dumps(probe.text))
-                reads.append(await _read(submit_tx, rid, probe, ran))
-                tokens += probe.counted
+                keep = lease is not None and not ran
+                read, reused = await _read(submit_tx, rid, probe, ran, lease, keep)
+                reads.append(read)
+                tokens += probe.counted - reused
             try:
                 p = reading.probabilities(plan, reads)
             except NotFinite:
@@ -91,6 +103,8 @@ async def systemone():
         raise
     finally:
         # No await here: a cancelled handler gets no further checkpoint.
+        if lease is not None:
+            lease.released = True  # the scheduler task drops the kept state
         for rid in ran:
             rt.telemetry.route_done(rid, route=ROUTE, status=status,
                                     finish=FinishReason.STOP if status == 200 else None, stream=False)
@@ -98,12 +112,26 @@ async def systemone():
                           "usage": {"input_tokens": tokens, "output_tokens": 0}})
 
 
-async def _read(submit_tx: trio.MemorySendChannel, rid: str, probe: Probe, ran: list[str]) -> tuple[float, ...]:
-    """Submit one read-only probe and wait for its logits."""
+def _lease_for(rt, plans: list[Plan]) -> StateLease | None:
+    """A kept state for a request of several probes that share their first ids (the decider's
+    state), on an engine that keeps snapshots; None otherwise (every probe read whole)."""
+    probes = [p for plan in plans for p in plan.probes]
+    shared = probes[0].shared if probes else 0
+    if len(probes) < 2 or shared <= 0 or any(p.shared != shared for p in probes):
+        return None
+    if not callable(getattr(rt.engine, "snapshot", None)):
+        return None
+    return StateLease(next(_lease_keys), shared)
+
+
+async def _read(submit_tx: trio.MemorySendChannel, rid: str, probe: Probe, ran: list[str],
+                lease: StateLease | None = None, keep: bool = False) -> tuple[tuple[float, ...], int]:
+    """Submit one read-only probe and wait for its logits: (the read, the prompt tokens it
+    did not read because it started from the lease's kept state)."""
     gen = GenRequest(request_id=rid, prompt_ids=probe.ids, max_tokens=1, sampling=SamplingParams(),
                      stop_token_ids=frozenset())
     try:
-        rx = submit(submit_tx, gen, read_ids=probe.read_ids)
+        rx = submit(submit_tx, gen, read_ids=probe.read_ids, lease=lease, keep_state=keep)
     except QueueFull:
         refuse(rid, gen, 429, stream=False)
         raise ApiError.queue_full() from None
@@ -120,5 +148,7 @@ async def _read(submit_tx: trio.MemorySendChannel, rid: str, probe: Probe, ran: 
             if event.finish is not None:
                 if len(event.read) != len(probe.read_ids):
                     raise ApiError.engine_failed("the engine returned no reading")
-                return event.read
+                # A prompt of a lease reuses rows only from the kept state (never held rows).
+                reused = event.prefix_rows if lease is not None and not keep else 0
+                return event.read, reused
     raise ApiError.engine_failed("the engine stopped during the request")

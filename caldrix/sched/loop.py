@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from caldrix.batch import Batch, StepOutput
-from caldrix.protocol import FinishReason, Submission, TokenEvent
+from caldrix.protocol import FinishReason, StateLease, Submission, TokenEvent
 from caldrix.sched.policy import Policy, Work
 from caldrix.sched.sequence import Sequence, Status
 from caldrix.sched.runners import DecodeLane, PrefillLane
@@ -85,6 +85,10 @@ class Scheduler:
     cutoff: trio.Event = attrs.Factory(trio.Event)
     _steps: int = 0
     _in_flight: Work | None = None  # the prefill Work whose step is running now
+    # Leases (Submission.lease) whose snapshots the engine may hold, by key: dropped once the
+    # route releases them and no step is in flight (the engine's snapshot table is not
+    # touched while a step thread runs).
+    _leases: dict[int, StateLease] = attrs.Factory(dict)
 
     def statistics(self, queued: int = 0) -> SchedStats:
         slots = self.policy.slots
@@ -109,6 +113,7 @@ class Scheduler:
             note = self.policy.stopped()  # --speculation-memory keeps the tuner's state
             if note is not None:
                 log.warning("caldrix: %s", note)
+            self._drop_leases(every=True)  # nothing is in flight: the lanes' nursery has closed
             for lane in (self.run_step, self.run_prefill):
                 for thread in getattr(lane, "threads", ()):
                     thread.close()  # nothing is in flight: both lanes' steps were awaited
@@ -121,7 +126,7 @@ class Scheduler:
             while True:
                 if not self.policy.has_running():
                     try:
-                        self._admit(await requests.receive())
+                        self._admit(await self._next(requests))
                     except trio.EndOfChannel:
                         return
                 while self.policy.can_admit:
@@ -130,6 +135,8 @@ class Scheduler:
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
                 self._drop_abandoned()
+                if self._in_flight is None:
+                    self._drop_leases()
                 if self.cutoff.is_set():
                     self._cut_all()
                     if self._in_flight is not None and not self._land(await landed_rx.receive(), requests):
@@ -160,6 +167,27 @@ class Scheduler:
                         continue  # still running: decode on beside it
                 if not self._land(got, requests):
                     return
+
+    async def _next(self, requests: trio.MemoryReceiveChannel[Submission]) -> Submission:
+        """The next submission, waited for while nothing runs. While a lease is live, look up
+        every half second, so a released lease's snapshot does not outlive its request long."""
+        while self._leases:
+            with trio.move_on_after(0.5):
+                return await requests.receive()
+            self._drop_leases()
+        return await requests.receive()
+
+    def _drop_leases(self, every: bool = False) -> None:
+        """Drop the snapshots of released leases that no running sequence uses (all of them
+        with `every`). Call only with no step in flight."""
+        used = {id(seq.sub.lease) for seq in self.policy.running if seq.sub.lease is not None}
+        for key, lease in list(self._leases.items()):
+            if every or (lease.released and id(lease) not in used):
+                del self._leases[key]
+                self.policy.forget(key)
+                drop = getattr(self.engine, "drop_snapshot", None)
+                if drop is not None:
+                    drop(key)
 
     async def _prefill_lane(self, work: Work, threads: int, landed: trio.MemorySendChannel[Landed]) -> None:
         batch = attrs.evolve(work.batch, threads=threads) if threads else work.batch
@@ -212,6 +240,8 @@ class Scheduler:
             seq.finish = FinishReason.ABORT  # the client left while queued
             self._closed(seq)
             return
+        if sub.lease is not None:
+            self._leases[sub.lease.key] = sub.lease
         self.policy.admit(seq)
         seq.t_admitted = time.monotonic()
 

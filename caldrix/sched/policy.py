@@ -7,6 +7,13 @@ A chunk always ends on a multiple of `chunk` positions or before the prompt's la
 runs alone last, so a prompt is cut the same way whether it runs alone, beside others, or after
 a slot's held rows.
 
+Kept states (Submission.lease, the decider reading's state read once): a prompt with
+`keep_state` is read from its start and cut so that a chunk ends exactly at the lease's length,
+and that run keeps the slot's state there (Run.snapshot). A later prompt of the same lease is
+admitted at that length and its first chunk restores the state (Run.restore), while `kept` says
+the engine still has it unspoiled; otherwise it is read whole. Any other write into the slot
+below a kept state's length forgets it here, as the engine spoils it there.
+
 Invariant: when `has_running()` is true, `schedule_decode()` or `schedule_prefill()` returns a
 Work, because every running sequence is either decoding or prefilling. The loop must not ask
 for prefill work while an earlier prefill Work is still in flight (its sequences would be cut
@@ -40,6 +47,8 @@ class Policy:
     chunk: int = 128  # prompt tokens per chunk
     prefill_budget: int = 128  # prompt tokens per prefill step, summed over chunks (at least one chunk runs)
     running: list[Sequence] = attrs.Factory(list)
+    # Lease key -> (slot, length) of each state the engine keeps for a lease (Run.snapshot).
+    kept: dict[int, tuple[int, int]] = attrs.Factory(dict)
     # --speculate ngram: greedy sequences propose their next tokens from their own n-grams and
     # a decode step verifies them (speculate.py). None: plain decoding.
     speculation: SpecConfig | None = None
@@ -60,13 +69,33 @@ class Policy:
 
     def admit(self, seq: Sequence) -> None:
         """Give seq a slot. The caller checks `can_admit` first."""
-        got = self.slots.try_acquire(seq.prompt, reuse=seq.sub.reuse_prefix)
+        lease = seq.sub.lease
+        # A prompt of a lease reads from its start or from the kept state, never from held rows.
+        got = self.slots.try_acquire(seq.prompt, reuse=seq.sub.reuse_prefix and lease is None)
         assert got is not None, "admit() without a free slot"
         seq.slot, seq.prefix_rows = got
+        written_from = seq.prefix_rows
+        kept = self.kept.get(lease.key) if lease is not None and not seq.sub.keep_state else None
+        if kept is not None and kept[1] == lease.length < len(seq.prompt):
+            seq.prefix_rows = lease.length
+            seq.restore_key = lease.key
+            # Restoring into its own slot keeps the rows below the length; another slot starts over.
+            written_from = lease.length if kept[0] == seq.slot else 0
+        self._spoil(seq.slot, written_from)
         seq.num_computed = seq.prefix_rows
         seq.speculating = self.speculates(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+    def _spoil(self, slot: int, start: int) -> None:
+        """A sequence will write `slot` from `start` on: kept states there that reach past it are gone."""
+        for key, (s, length) in list(self.kept.items()):
+            if s == slot and length > start:
+                del self.kept[key]
+
+    def forget(self, key: int) -> None:
+        """The lease ended (the loop drops the engine's snapshot)."""
+        self.kept.pop(key, None)
 
     def has_decoding(self) -> bool:
         return any(not seq.in_prefill for seq in self.running)
@@ -154,6 +183,10 @@ class Policy:
         # (SlotTable's reuse) recomputes only that token, so it gets the same bits, and the
         # same reply, as the prompt run fresh.
         end = len(prompt) if start == len(prompt) - 1 else min(len(prompt) - 1, (start // self.chunk + 1) * self.chunk)
+        # A prompt that keeps its state for its lease has a chunk end exactly there.
+        keep = seq.sub.lease.length if seq.sub.keep_state and seq.sub.lease is not None else 0
+        if start < keep < end:
+            end = keep
         if end - start > budget and not first:
             return None
         last = end == len(prompt)
@@ -166,6 +199,8 @@ class Policy:
             draw_index=0,
             read_ids=seq.sub.read_ids if last else (),
             embeds=tuple(e for e in seq.sub.embeds if e.start < end and start < e.start + e.count),
+            restore=seq.restore_key if seq.restore_key and start == seq.prefix_rows else 0,
+            snapshot=seq.sub.lease.key if keep and end == keep else 0,
         )
 
     def postprocess(self, work: Work, out: StepOutput) -> list[tuple[Sequence, TokenEvent]]:
@@ -175,6 +210,8 @@ class Policy:
         size = len(work.seqs)
         for seq, run, res in zip(work.seqs, work.batch.runs, out.runs):
             seq.num_computed = run.end
+            if run.snapshot:
+                self.kept[run.snapshot] = (seq.slot, run.end)
             seq.batch_sizes.append(size)
             if not res.token_ids and not res.read:
                 continue  # a middle prompt chunk

@@ -32,7 +32,10 @@ class Sequence:
     ngram: NgramIndex | None = None
     proposed: int = 0
     accepted: int = 0
-    shadow: int | None = None  # a guess looked up but not verified this step (DraftTuner.shadow)
+    shadow: int | None = None
+    # The kept state (Submission.lease) the first chunk restores: set at admission when the
+    # policy still has it; 0 when the prompt is read from its start.
+    restore_key: int = 0  # a guess looked up but not verified this step (DraftTuner.shadow)
     # Timings, monotonic seconds, set by the loop; telemetry only.
     t_admitted: float = 0.0
     t_first_token: float = 0.0

@@ -35,6 +35,9 @@ class Probe:
     read_ids: tuple[int, ...]
     counted: int
     text: str = ""  # the rendered prompt, for the route's debug log (--log-level debug)
+    # The first `shared` ids are the same in every probe of the request (the decider's state):
+    # the route may have them read once (Submission.lease). 0: nothing shared.
+    shared: int = 0
 
 
 @attrs.frozen
