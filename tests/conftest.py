@@ -44,3 +44,16 @@ def smollm2_dir() -> Path:
 # fixtures qwen35_tokenizer_dir (about 10 s the first time on a machine, then cached) and
 # qwen35_tokenizer (about 8 s to load, once a session).
 from qwen35_tokenizer import qwen35_tokenizer, qwen35_tokenizer_dir_fixture  # noqa: E402, F401
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads where the machine has two cores: an engine takes its thread count
+    from torch's when it loads, and an earlier test's decode step may have left one."""
+    import torch
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to overlap")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)

@@ -94,16 +94,6 @@ def test_a_repeated_prompt_gets_the_same_reply_from_its_held_rows(smollm2_dir, g
     assert again == first
 
 
-@pytest.fixture
-def two_threads():
-    """Two torch threads where the machine has two cores: an engine takes its thread count
-    from torch's when it loads, and an earlier test's decode step may have left one."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one core: nothing to overlap")
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -372,8 +372,16 @@ class Qwen35(nn.Module):
         # The delta rule's decays (exp of sums of log-decays) and the recurrent matrices they
         # scale reach float32's subnormal range, where x86 arithmetic runs tens of times slower;
         # flushing subnormals to zero changes results by under 1.2e-38. The flag is per thread
-        # (MXCSR), so it is set on whichever thread runs the model, each call.
+        # (MXCSR), so it is set on whichever thread runs the model for the call, and cleared
+        # after it: the thread's other work (another model, the caller's own floats) keeps
+        # IEEE subnormals.
         torch.set_flush_denormal(True)
+        try:
+            return self._forward(token_ids, at, state)
+        finally:
+            torch.set_flush_denormal(False)
+
+    def _forward(self, token_ids: torch.Tensor, at: Attend, state: Qwen35State) -> torch.Tensor:
         top = state.begin(at)
         if self.cos is None or top >= self.cos.shape[0]:
             self.setup_rope(max(2 * top, 256))
