@@ -93,7 +93,8 @@ def make(path: Path) -> None:
 def run_ours(path: Path, dtype, prompt: list[int], steps: int) -> dict:
     import torch
     from caldrix.models.base import Attend
-    from caldrix.models.qwen3_5 import Qwen35, load_qwen35
+    from caldrix.models.qwen3_5 import Qwen35
+    from caldrix.models.qwen3_5_load import load_qwen35
 
     if dtype is None:
         dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32

@@ -16,7 +16,8 @@ from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM,  # noqa: E402
                           Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig)
 
 from caldrix.models.base import Attend  # noqa: E402
-from caldrix.models.qwen3_5 import Qwen35, Qwen35Config, load_qwen35  # noqa: E402
+from caldrix.models.qwen3_5 import Qwen35, Qwen35Config  # noqa: E402
+from caldrix.models.qwen3_5_load import load_qwen35  # noqa: E402
 
 VOCAB = 97
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
