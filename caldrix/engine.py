@@ -1,5 +1,9 @@
 """The engine: owns the model, the KV cache and the sampler; one synchronous `step(Batch)`.
 
+Why one file of over 400 lines: the step, its two start-up probes (check_lanes, check_verify)
+and the per-slot bookkeeping (snapshots, embeddings, draft runs) all read and write the same
+private state (`_rows`, `_snapshots`, the state tensors), which one owner keeps consistent.
+
 Contract: `step` blocks for one forward pass and must be called from one thread at a time (the
 scheduler runs it in a worker thread through a limiter of one). It never touches trio, routes or
 sequences: it sees slots, positions and token ids only.

@@ -8,6 +8,9 @@ Checks run in a fixed order, so a body with several problems always names the sa
 model, the field the endpoint refuses (prompt on chat, messages on completions), the
 not-implemented fields, the chat template, then the prompt or messages, then the generation
 options, then the sampling knobs.
+
+Why one file of over 400 lines: the two endpoints share every rule but the prompt, and that
+fixed order of checks is the contract; split across files it would be read out of order.
 """
 
 from __future__ import annotations
