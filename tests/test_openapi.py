@@ -245,3 +245,37 @@ def test_systemone_bodies_it_accepts_are_valid_against_the_document(body):
     except ApiError:
         return
     assert jsonschema_rs.Draft202012Validator(_schema("/v1/systemone")).is_valid(json.loads(raw)), body
+
+
+# --- image parts on a vision server ---------------------------------------------------------------
+
+def _png(side: int = 8) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (200, 30, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("detail", [None, "auto", "high", "low"])
+def test_a_vision_servers_document_takes_the_image_parts_its_validator_takes(detail):
+    vision = ModelLimits(served_name="m", vocab_size=100, context=64, has_chat_template=True, has_vision=True)
+    image = {"url": _png(), **({"detail": detail} if detail is not None else {})}
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": image}, {"type": "text", "text": "what is this?"}]}]}
+    parse_chat(body, vision, SamplingParams())  # accepted: no ApiError
+    schema = openapi.document(vision)["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
+    assert jsonschema_rs.Draft202012Validator(schema["application/json"]["schema"]).is_valid(body)
+    # A text model refuses the part, and its document forbids it.
+    with pytest.raises(ApiError, match="this model takes text only"):
+        parse_chat(body, CTX, SamplingParams())
+    assert not _validator("/v1/chat/completions").is_valid(body)
+    # A detail the validator refuses is outside the document too.
+    bad = json.loads(json.dumps(body))
+    bad["messages"][0]["content"][0]["image_url"]["detail"] = "medium"
+    with pytest.raises(ApiError, match="detail must be auto, high or low"):
+        parse_chat(bad, vision, SamplingParams())
+    assert not jsonschema_rs.Draft202012Validator(schema["application/json"]["schema"]).is_valid(bad)

@@ -128,7 +128,17 @@ _NO_PLACEHOLDER = {"not": {"pattern": IMAGE_PLACEHOLDER}}
 def _messages(ctx: ModelLimits) -> dict[str, Any]:
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string", **_NO_PLACEHOLDER}}}
-    content = {"anyOf": [{"type": "string", **_NO_PLACEHOLDER}, {"type": "array", "items": text_part}]}
+    part = text_part
+    if ctx.has_vision:  # vision.md: the URL's rules (data URL types, signatures, sizes) are the validator's
+        from caldrix.vision.images import DETAILS
+
+        image_part = {"type": "object", "required": ["type", "image_url"], "properties": {
+            "type": {"const": "image_url"},
+            "image_url": {"type": "object", "required": ["url"],
+                          "properties": {"url": {"type": "string", "minLength": 1},
+                                         "detail": {"enum": [None, *DETAILS]}}}}}
+        part = {"anyOf": [text_part, image_part]}
+    content = {"anyOf": [{"type": "string", **_NO_PLACEHOLDER}, {"type": "array", "items": part}]}
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"enum": list(ROLES)}, "content": content}}
     return {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message}
