@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import secrets
 from typing import Any
 
 import attrs
 
 from caldrix.protocol import SamplingParams
+from caldrix.routes import strictjson
 from caldrix.routes.errors import ApiError
 from caldrix.routes.fields import (  # the declarations this validator and openapi.py share
     IMAGE_PLACEHOLDER,
@@ -95,29 +95,6 @@ class ChatRequest(GenerationRequest):
 # The body
 
 
-class _Pairs(list):
-    """An object's (key, value) pairs in document order: the duplicate finder's view."""
-
-
-def _reject_constant(name: str) -> Any:
-    # Python's json reads NaN and Infinity; JSON has neither.
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise _DuplicateKey
-    return obj
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a dict, or a 400 naming what is wrong with it.
 
@@ -134,60 +111,18 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise ApiError.invalid(f"the request body is not UTF-8: {e.reason} at byte {e.start}")
     try:
-        body = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except _DuplicateKey:
-        path, key = _find_duplicate(json.loads(text, object_pairs_hook=_Pairs))
-        raise ApiError.invalid(f'duplicate key "{key}" in the request body', path)
+        body = strictjson.loads(text)
+    except strictjson.DuplicateKey as e:
+        raise ApiError.invalid(f'duplicate key "{e.key}" in the request body', e.path)
     except RecursionError:
         raise ApiError.invalid("the request body is nested too deeply")
     except ValueError as e:  # JSONDecodeError, a constant, an integer past Python's digit limit
         raise ApiError.invalid(f"the request body is not valid JSON: {e}")
     if not isinstance(body, dict):
         raise ApiError.invalid(f"the request body must be a JSON object, got {_kind(body)}")
-    # Cheap test first: only a body with a \uD800-\uDFFF escape can hold a lone surrogate.
-    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+    if strictjson.lone_surrogate(text, body):
         raise ApiError.invalid("the request body holds an unpaired UTF-16 surrogate escape")
     return body
-
-
-def _find_duplicate(node: Any, path: str = "") -> tuple[str, str]:
-    """The path and key of the first duplicate key, depth first in document order."""
-    found = _first_duplicate(node, path)
-    assert found is not None, "the strict parse saw a duplicate the pairs parse does not"
-    return found
-
-
-def _first_duplicate(node: Any, path: str) -> tuple[str, str] | None:
-    if isinstance(node, _Pairs):
-        seen: set[str] = set()
-        for key, value in node:
-            child = f"{path}.{key}" if path else key
-            if key in seen:
-                return child, key
-            seen.add(key)
-            found = _first_duplicate(value, child)
-            if found:
-                return found
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            found = _first_duplicate(value, f"{path}[{i}]")
-            if found:
-                return found
-    return None
-
-
-def _has_lone_surrogate(node: Any) -> bool:
-    if isinstance(node, str):
-        try:
-            node.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(node, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in node.items())
-    if isinstance(node, list):
-        return any(_has_lone_surrogate(v) for v in node)
-    return False
 
 
 # ---------------------------------------------------------------------------------------------

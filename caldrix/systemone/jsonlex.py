@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any, Union
 
 import attrs
+
+from caldrix.routes import strictjson
+from caldrix.routes.strictjson import DuplicateKey  # noqa: F401 (the parser's error, re-exported)
 
 
 @attrs.frozen
@@ -42,39 +44,8 @@ class Number:
 Value = Union[None, bool, str, Number, list, dict]
 
 
-class DuplicateKey(ValueError):
-    """A key appears twice in one object. `path` names it ("questions.q.type", "state[2].a")."""
-
-    def __init__(self, path: str, key: str) -> None:
-        super().__init__(f'duplicate key "{key}"')
-        self.path = path
-        self.key = key
-
-
-class _Dup(Exception):
-    pass
-
-
-class _Pairs(list):
-    """An object's (key, value) pairs in document order, for finding a duplicate's path."""
-
-
-def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise _Dup
-    return obj
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
 def _number(lexeme: str) -> Number:
     return Number(lexeme)
-
-
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def loads(text: str) -> Value:
@@ -83,51 +54,12 @@ def loads(text: str) -> Value:
     Raises `DuplicateKey` (with the path of the first duplicate, depth first in document order),
     `json.JSONDecodeError` for malformed text, `ValueError` for NaN/Infinity literals or an
     unpaired UTF-16 surrogate escape in a string (neither is JSON text a tokenizer can take), and
-    `RecursionError` for nesting deeper than the interpreter allows.
+    `RecursionError` for nesting deeper than the interpreter allows (routes/strictjson.py).
     """
-    hooks = dict(parse_float=_number, parse_int=_number, parse_constant=_reject_constant)
-    try:
-        value = json.loads(text, object_pairs_hook=_strict_object, **hooks)
-    except _Dup:
-        found = _first_duplicate(json.loads(text, object_pairs_hook=_Pairs, **hooks), "")
-        assert found is not None, "the strict parse saw a duplicate the pairs parse does not"
-        raise DuplicateKey(*found) from None
-    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+    value = strictjson.loads(text, parse_float=_number, parse_int=_number)
+    if strictjson.lone_surrogate(text, value):
         raise ValueError("a string holds an unpaired UTF-16 surrogate escape")
     return value
-
-
-def _first_duplicate(node: Any, path: str) -> tuple[str, str] | None:
-    if isinstance(node, _Pairs):
-        seen: set[str] = set()
-        for key, value in node:
-            child = f"{path}.{key}" if path else key
-            if key in seen:
-                return child, key
-            seen.add(key)
-            found = _first_duplicate(value, child)
-            if found:
-                return found
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            found = _first_duplicate(value, f"{path}[{i}]")
-            if found:
-                return found
-    return None
-
-
-def _has_lone_surrogate(node: Any) -> bool:
-    if isinstance(node, str):
-        try:
-            node.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(node, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in node.items())
-    if isinstance(node, list):
-        return any(_has_lone_surrogate(v) for v in node)
-    return False
 
 
 def plain(value: Value) -> Any:
