@@ -27,8 +27,9 @@ def encode(text: str) -> list[int]:
     return [3 + ord(ch) % 97 for ch in text]  # a stand-in tokenizer: ids 3..99
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_reference(path, seed: int):
+    """A tiny random Idefics3 (transformers' own classes: 2 SigLIP layers, 32-pixel tiles of 16
+    patches, a 3-layer llama), saved at `path`; returns the reference model."""
     from transformers import Idefics3Config as HFConfig
     from transformers import Idefics3ForConditionalGeneration
 
@@ -39,10 +40,16 @@ def tiny(tmp_path_factory):
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=160, max_position_embeddings=1024,
                          rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=False, initializer_range=0.2),
         scale_factor=2, image_token_id=IMAGE, tie_word_embeddings=False)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     ref = Idefics3ForConditionalGeneration(cfg).eval()
-    path = tmp_path_factory.mktemp("tiny_idefics3")
     ref.save_pretrained(path)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_idefics3")
+    ref = tiny_reference(path, seed=0)
     ours = load_idefics3(path, torch.float32)
     assert ours.cfg.image_seq_len == SETTINGS.image_seq_len
     return ref, ours

@@ -15,27 +15,15 @@ from caldrix.models import model_type
 from caldrix.protocol import EmbedSpan
 from caldrix.vision.prompt import image_runs
 from engine_util import generate
-from test_idefics3 import CASES, IMAGE, build, image
+from test_idefics3 import CASES, IMAGE, build, image, tiny_reference
 
 STEPS = 32
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import Idefics3Config as HFConfig
-    from transformers import Idefics3ForConditionalGeneration
-
-    cfg = HFConfig(
-        vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=32, patch_size=8, initializer_range=0.2),
-        text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=160, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=False, initializer_range=0.2),
-        scale_factor=2, image_token_id=IMAGE, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    ref = Idefics3ForConditionalGeneration(cfg).eval()
     path = tmp_path_factory.mktemp("tiny_idefics3_engine")
-    ref.save_pretrained(path)
+    ref = tiny_reference(path, seed=1)
     return ref, path
 
 
