@@ -12,10 +12,8 @@ output gate, per-head q/k norms, RoPE on the first head_dim * partial_rotary_fac
 multimodal rope's three position rows are equal for text, so it is ordinary RoPE), and a
 gated RMSNorm (w * norm(x) * silu(z)) before the linear layers' out_proj.
 
-Shapes: T rows, D hidden, H query heads, G kv heads, E head dim, R rotary dims, S slots,
-C context rows, W conv channels (2*nk*dk + nv*dv), nk/nv linear key/value heads, dk/dv their
-dims, K conv kernel.
-"""
+Shapes: T rows, D hidden, H query/G kv heads, E head dim, R rotary dims, S slots, C context rows,
+W conv channels (2*nk*dk + nv*dv), nk/nv linear key/value heads of dk/dv dims, K conv kernel."""
 
 from __future__ import annotations
 

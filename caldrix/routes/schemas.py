@@ -531,19 +531,7 @@ def _flag(body: dict[str, Any], name: str, *, param: str | None = None) -> bool:
     return value
 
 
-def _kind(value: Any) -> str:
-    """The JSON type of a parsed value, as messages name it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+_kind = strictjson.kind
 
 
 def _show(value: Any) -> str:

@@ -94,3 +94,19 @@ def _has_lone_surrogate(node: Any) -> bool:
     if isinstance(node, list):
         return any(_has_lone_surrogate(v) for v in node)
     return False
+
+
+def kind(value: Any) -> str:
+    """A parsed JSON value's type as an error message names it. Numbers are whatever the
+    parser's hooks made of them (int, float, or systemone's lexeme-keeping Number)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "number"

@@ -18,6 +18,7 @@ from typing import Iterable
 
 import attrs
 
+from caldrix.routes import strictjson
 from caldrix.routes.errors import ApiError
 from caldrix.systemone import jsonlex
 from caldrix.systemone.jsonlex import Number, Value
@@ -231,16 +232,4 @@ def _in_range(value: Value, path: str) -> None:
         raise ApiError.invalid("this number is outside the range of a 64-bit float", bad)
 
 
-def kind(value: Value) -> str:
-    """The JSON type of a parsed value, as messages name it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, Number):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+kind = strictjson.kind  # a value's JSON type, as the refusals name it
