@@ -4,12 +4,13 @@
 
 The random 0.8b-shaped Qwen3.5 checkpoint of bench/qwen3_5.py (built there once, reused), given
 the rebuilt Qwen3.5 tokenizer (tests/qwen35_tokenizer.py) and a decider_config.json in a
-directory of links, is served by `caldrix serve --max-batch 1 --dtype float32`. Timed, over HTTP:
+directory of links, is served by `caldrix serve --max-batch 1 --dtype DTYPE` (--dtype, float32 by
+default: the precision the answers are checked in). Timed, over HTTP:
 
 - a 1-question request over a --state-token state (every prompt of it read whole: one prompt);
 - a --questions-question request over the same state (the state read once, each later prompt
   from the kept state);
-- transformers (float32, its torch fallbacks) reading each prompt of the many-question request
+- transformers (the same dtype, its torch fallbacks) reading each prompt of the many-question request
   whole, as a server without state reuse would: one forward per prompt, logits of the last row
   only. --reference-prompts N times the first N prompts and scales the sum to all of them (the
   prompts differ only in their question, so each costs about the same); the output says so.
@@ -99,13 +100,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_and_time(path: Path, state: str, n: int, repeat: int) -> dict:
+def serve_and_time(path: Path, state: str, n: int, repeat: int, dtype: str) -> dict:
     import httpx
 
     port = free_port()
     log = open(path / "server.log", "w")  # a file: a pipe nobody reads could fill and stall the server
     proc = subprocess.Popen([sys.executable, "-m", "caldrix", "serve", str(path), "--port", str(port),
-                             "--dtype", "float32", "--max-batch", "1", "--context", "8192"],
+                             "--dtype", dtype, "--max-batch", "1", "--context", "8192"],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -137,7 +138,7 @@ def serve_and_time(path: Path, state: str, n: int, repeat: int) -> dict:
         log.close()
 
 
-def transformers_time(path: Path, state: str, n: int, first: int) -> dict:
+def transformers_time(path: Path, state: str, n: int, first: int, dtype: str) -> dict:
     import torch
     from decider import prompt_fast, systemone
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -147,7 +148,7 @@ def transformers_time(path: Path, state: str, n: int, first: int) -> dict:
     flat, _ = systemone.plan_rows(rqs, False)
     items, ctx = prompt_fast.build_rows(tok, systemone.render_state(state),
                                         [[(r["question"], list(r["options"]))] for r in flat], max_ctx_tokens=1 << 30)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
     times = []
     with torch.inference_mode():
         model(input_ids=torch.tensor([items[0]["ids"][:16]]), logits_to_keep=1)  # warm-up
@@ -166,18 +167,19 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--reference-prompts", type=int, default=0, help="transformers prompts timed (0: all)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--dir", default=str(Path.home() / ".cache" / "caldrix" / "bench-qwen3_5-0.8b-random"))
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     path = model_dir(Path(args.dir))
     state = make_state(AutoTokenizer.from_pretrained(str(path)), args.state)
-    ours = serve_and_time(path, state, args.questions, args.repeat)
-    ref = transformers_time(path, state, args.questions, args.reference_prompts or args.questions)
+    ours = serve_and_time(path, state, args.questions, args.repeat, args.dtype)
+    ref = transformers_time(path, state, args.questions, args.reference_prompts or args.questions, args.dtype)
     one, many = ours["one"], ours["many"]
     import torch
 
-    print(f"decider reading, Qwen3.5 0.8b shape, random weights, float32, {torch.get_num_threads()} threads; "
+    print(f"decider reading, Qwen3.5 0.8b shape, random weights, {args.dtype}, {torch.get_num_threads()} threads; "
           f"state {ref['state_tokens']} tokens, {args.questions} questions")
     print(f"caldrix, 1 question:   {one['seconds']:8.2f} s  (input_tokens {one['input_tokens']})")
     print(f"caldrix, {args.questions} questions: {many['seconds']:8.2f} s  (input_tokens {many['input_tokens']}; "

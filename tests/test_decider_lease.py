@@ -42,14 +42,16 @@ def test_keep_then_restore():
     first = Sequence(probe((30, 31, 32), lease, keep=True)[0])
     policy.admit(first)
     runs = run_prefill(policy, first)
-    assert [(r.start, r.end) for r in runs] == [(0, 4), (4, 8), (8, 11), (11, 12), (12, 13), (13, 14)]
-    assert [r.snapshot for r in runs] == [0, 0, 7, 0, 0, 0] and not any(r.restore for r in runs)
+    # a read-only prompt's last chunk takes its last token: no pass of its own for it
+    assert [(r.start, r.end) for r in runs] == [(0, 4), (4, 8), (8, 11), (11, 12), (12, 14)]
+    assert [r.snapshot for r in runs] == [0, 0, 7, 0, 0] and not any(r.restore for r in runs)
+    assert [r.pick_at for r in runs] == [(), (), (), (), (1,)]
     assert policy.kept == {7: (0, 11)}
     second = Sequence(probe((40, 41, 42, 43), lease)[0])
     policy.admit(second)
     assert second.prefix_rows == second.num_computed == 11
     runs = run_prefill(policy, second)
-    assert [(r.start, r.end, r.restore) for r in runs] == [(11, 12, 7), (12, 14, 0), (14, 15, 0)]
+    assert [(r.start, r.end, r.restore) for r in runs] == [(11, 12, 7), (12, 15, 0)]
     assert policy.kept == {7: (0, 11)}  # still there for the next prompt
     policy.forget(7)
     assert policy.kept == {}

@@ -5,7 +5,7 @@ Work comes in two kinds, one per lane of the loop (loop.py):
 - prefill: prefilling sequences get prompt chunks within a per-step token budget.
 A chunk always ends on a multiple of `chunk` positions or before the prompt's last token, which
 runs alone last, so a prompt is cut the same way whether it runs alone, beside others, or after
-a slot's held rows.
+a slot's held rows. A read-only prompt's last chunk takes its last token too.
 
 Kept states (Submission.lease, the decider reading's state read once): a prompt with
 `keep_state` is read from its start and cut so that a chunk ends exactly at the lease's length,
@@ -181,8 +181,14 @@ class Policy:
         # The prompt's last token always runs alone, after the chunks: a one-token run, which
         # the engine computes in the decode form. A prompt whose other rows a slot still held
         # (SlotTable's reuse) recomputes only that token, so it gets the same bits, and the
-        # same reply, as the prompt run fresh.
-        end = len(prompt) if start == len(prompt) - 1 else min(len(prompt) - 1, (start // self.chunk + 1) * self.chunk)
+        # same reply, as the prompt run fresh. A read-only prompt (a /v1/systemone probe) has
+        # no reply to keep identical: its last row is read in its last chunk, which spares a
+        # whole pass over the weights per question.
+        boundary = (start // self.chunk + 1) * self.chunk
+        if seq.sub.is_read_only:
+            end = min(len(prompt), boundary)
+        else:
+            end = len(prompt) if start == len(prompt) - 1 else min(len(prompt) - 1, boundary)
         # A prompt that keeps its state for its lease has a chunk end exactly there.
         keep = seq.sub.lease.length if seq.sub.keep_state and seq.sub.lease is not None else 0
         if start < keep < end:
