@@ -82,7 +82,7 @@ def build_model(out: Path) -> None:
     import torch
     from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration
 
-    from caldrix.models import gguf, source
+    from caldrix.weights import gguf, source
 
     torch.manual_seed(0)
     Idefics3ForConditionalGeneration(Idefics3Config(**SMOLVLM_256M_CONFIG)).save_pretrained(out)
@@ -154,8 +154,9 @@ def child_caldrix(path: Path, dtype_name: str) -> None:
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 inside = (image_rows >= s) & (image_rows < e)
-                at = Attend("prefill", (0,), torch.arange(s, e), torch.arange(s, e))
-                model(ids[s:e], at, kv, feats[inside], image_rows[inside] - s)
+                at = Attend("prefill", (0,), torch.arange(s, e), torch.arange(s, e),
+                            embeds=feats[inside], embed_rows=image_rows[inside] - s)
+                model(ids[s:e], at, kv)
             at = Attend("decode", (0,), torch.tensor([n]), torch.tensor([n]), (n + 1,), torch.tensor([0]))
             first = int(model.logits(model(ids[n:], at, kv)).argmax(-1))
         return time.perf_counter() - t, len(ids), first

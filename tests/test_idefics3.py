@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from caldrix.kernels.packed import can_pack
 from caldrix.models.base import Attend
 from caldrix.models.idefics3 import Idefics3, Idefics3Config, load_idefics3, pixel_shuffle
 from caldrix.vision import preprocess as pp
@@ -113,6 +114,27 @@ def test_image_features_match_transformers(tiny):
         got = ours.image_features(pixels)
     assert got.shape == want.shape == (pixels.shape[0] * 4, 64)
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="this CPU has no oneDNN bfloat16 kernels")
+def test_packed_bf16_tower_matches_transformers_bf16(tiny, tmp_path):
+    """In bfloat16 on a CPU with oneDNN's bf16 kernels the tower's Linears are packed, the GELU
+    fused into fc1 (kernels/packed.py): its features stay as close to transformers' own bf16
+    tower as the unpacked tower's are, measured against the float32 reference."""
+    from transformers import Idefics3ForConditionalGeneration
+
+    ref, _ = tiny
+    ref.save_pretrained(tmp_path)
+    packed = load_idefics3(tmp_path, torch.bfloat16)
+    ref_bf16 = Idefics3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert packed.vision.layers[0].gelu_in_fc1
+    _, pixels, _ = build([(image(64, 64, 5), "auto"), (image(10, 10, 6), "low")], "<image><image>")
+    with torch.no_grad():
+        exact = ref.model.get_image_features(pixels[None]).pooler_output[0].float()
+        theirs = ref_bf16.model.get_image_features(pixels[None].bfloat16()).pooler_output[0].float()
+        ours = packed.image_features(pixels).float()
+    scale = exact.abs().max().item()
+    assert (ours - exact).abs().max().item() <= max(2 * (theirs - exact).abs().max().item(), 0.02 * scale)
 
 
 def test_pixel_shuffle_matches_transformers():

@@ -24,6 +24,7 @@ import attrs
 import torch
 from torch import nn
 
+from caldrix.kernels.packed import can_pack
 from caldrix.models.base import Attend, KVCache
 from caldrix.models.llama import Decoder, DecoderConfig
 from caldrix.models.siglip import SiglipConfig, SiglipVisionTower, siglip_state
@@ -195,4 +196,7 @@ def load_idefics3(path: Path, dtype: torch.dtype, device="cpu") -> Idefics3:
     missing, unexpected = model.load_state_dict(ours, strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"loading {path}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    if can_pack(dtype, device):
+        model.vision.pack()  # the tower's matmuls are most of an image's time to first token
+    return model

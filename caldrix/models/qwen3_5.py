@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from caldrix.kernels.packed import PackedLinear
 from caldrix.models import gated_delta
 from caldrix.models.base import Attend
 from caldrix.models.qwen3_5_state import Qwen35Snapshot, Qwen35State  # noqa: F401 (re-exported)
@@ -121,30 +122,6 @@ class Qwen35Config:
             linear_key_dim=text.get("linear_key_head_dim", 128),
             linear_value_dim=text.get("linear_value_head_dim", 128),
         )
-
-
-class PackedLinear(nn.Module):
-    """A bias-free bfloat16 Linear whose weight oneDNN has reordered into its blocked layout
-    once, at load. On an avx512_bf16 CPU its matmul at a few rows (decode) reads the weight
-    about 1.5x faster than F.linear on the plain layout, which at one row is memory bound on
-    a path that converts as it goes; results per row are the same whatever the row count."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        # no batch-size hint: with one (1) the prefill's 1000-row matmuls ran 20-35% slower,
-        # and one-row ones no faster
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed,
-                                               None, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def can_pack(dtype: torch.dtype, device) -> bool:
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
+from caldrix.kernels.packed import can_pack
 from caldrix.models.base import Loaded
-from caldrix.models.qwen3_5 import Qwen35, Qwen35Config, can_pack
+from caldrix.models.qwen3_5 import Qwen35, Qwen35Config
 
 
 def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path | None = None,

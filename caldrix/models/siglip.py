@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from caldrix.kernels.packed import PackedLinear
+
 
 @attrs.frozen
 class SiglipConfig:
@@ -77,6 +79,16 @@ class EncoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.fc1 = nn.Linear(d, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, d)
+        self.gelu_in_fc1 = False  # pack(): fc1 applies the GELU itself
+
+    def pack(self) -> None:
+        """Swap the four Linears for PackedLinears, the GELU fused into fc1 (bfloat16 on a CPU
+        with oneDNN's bf16 support only: kernels.packed.can_pack)."""
+        for name in ("wqkv", "wo", "fc2"):
+            lin = getattr(self, name)
+            setattr(self, name, PackedLinear(lin.weight, lin.bias))
+        self.fc1 = PackedLinear(self.fc1.weight, self.fc1.bias, gelu="tanh")
+        self.gelu_in_fc1 = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N, n, d = x.shape
@@ -84,7 +96,8 @@ class EncoderLayer(nn.Module):
         qkv = self.wqkv(self.norm1(x)).view(N, n, 3, h, d // h).permute(2, 0, 3, 1, 4)  # [3, N, H, n, E]
         attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # every patch sees every patch of its tile
         x = x + self.wo(attn.transpose(1, 2).reshape(N, n, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        up = self.fc1(self.norm2(x))
+        return x + self.fc2(up if self.gelu_in_fc1 else F.gelu(up, approximate="tanh"))
 
 
 class SiglipVisionTower(nn.Module):
@@ -97,6 +110,10 @@ class SiglipVisionTower(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
         self.post_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.register_buffer("positions", full_tile_positions(cfg.patches_per_side), persistent=False)
+
+    def pack(self) -> None:
+        for layer in self.layers:
+            layer.pack()
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, C, S, S] (whole tiles) -> [N, n, D]."""

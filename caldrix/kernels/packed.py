@@ -1,0 +1,41 @@
+"""Linear layers whose weight oneDNN has reordered into its blocked layout once, at load.
+
+On a CPU with oneDNN's bfloat16 support (avx512_bf16 or AMX: `can_pack`), a bfloat16 matmul
+on the packed weight skips the per-call reorder F.linear does: at a few rows (decode) it reads
+the weight about 1.5x faster, and at a thousand rows (a vision tile, a prefill chunk) it is
+about 1.3x faster with the bias and a GELU fused into the same call. Results per row do not
+depend on the row count. Model files swap their nn.Linear for these in a `pack()` step after
+loading; float32 models and other CPUs keep nn.Linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def can_pack(dtype: torch.dtype, device) -> bool:
+    """Whether PackedLinear runs for weights of `dtype` on `device`."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(nn.Module):
+    """y = act(x W^T + b) for x [..., in] -> [..., out], W packed once at construction.
+
+    `gelu`: "" for no activation, or "tanh"/"none" for GELU with that approximation, applied in
+    the same oneDNN call (as F.gelu(..., approximate=gelu) would)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str = ""):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # no batch-size hint: with one (1) the prefill's 1000-row matmuls ran 20-35% slower,
+        # and one-row ones no faster
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.attr, self.algorithm = ("gelu", gelu) if gelu else ("none", "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed,
+                                               self.bias, self.attr, [], self.algorithm)
+        return y.view(*x.shape[:-1], self.out_features)
