@@ -201,3 +201,92 @@ def test_a_reading_that_is_not_finite_is_a_500(nan_label_decider, no_rounding):
         assert check_answers(r.json()["answers"], want) > 0.02
         assert r.json()["usage"] == {"input_tokens": once, "output_tokens": 0}
         assert "Traceback" not in srv.stderr
+
+
+# --- a client that leaves midway --------------------------------------------------------------
+
+
+def _many_levels(name: str) -> dict:
+    """640 prompts (64 score questions, each level asked alone) over a state of its own, unlike
+    the fresh request's: a leaked kept state could not pass for that one's."""
+    return {"model": name, "state": {"note": "the printer on floor 3 is jammed again", "floor": 3},
+            "questions": {f"s{i}": {"type": "score", "instructions": f"How bad is problem {i}?",
+                                    "criteria": [f"{k}: level {k}" for k in range(10)]} for i in range(64)}}
+
+
+def _send(srv, body: dict) -> socket.socket:
+    """POST /v1/systemone on a socket of its own, left unread: closing it is the client leaving."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _gone(srv, bases: set[str]) -> tuple[str, list[dict]]:
+    """The records of the one /v1/systemone request not in `bases`, once they stop coming."""
+    (base,) = {r["id"].rsplit(".", 1)[0] for r in records(srv) if r["route"] == "/v1/systemone"} - bases
+    recs = probes_of(srv, base)
+    time.sleep(1.0)  # nothing more of it runs: the route submits no prompt once its client is gone
+    assert probes_of(srv, base) == recs
+    assert [r["id"] for r in recs] == [f"{base}.{i}" for i in range(len(recs))]
+    assert 3 <= len(recs) < 640 and {r["status"] for r in recs} == {499}
+    assert recs[0]["prefix_rows"] == 0 and all(r["finish_reason"] == "stop" for r in recs[:-1])
+    length = recs[1]["prefix_rows"]  # the later prompts start from the kept state
+    assert length > 0 and all(r["prefix_rows"] == length for r in recs[1:-1])
+    return base, recs
+
+
+def test_a_client_gone_midway_drops_the_kept_state(server):
+    srv, fresh = server
+    name = fresh[0][1]["model"]
+    body = _many_levels(name)
+    bases = {r["id"].rsplit(".", 1)[0] for r in records(srv) if r["route"] == "/v1/systemone"}
+
+    # 1. gone while a later prompt runs (one slot, nothing else to run)
+    done0 = metric(srv, "e2e_request_latency_seconds_count")
+    sock = _send(srv, body)
+    try:
+        wait_for(lambda: metric(srv, "e2e_request_latency_seconds_count") >= done0 + 3, "three prompts read")
+        assert metric(srv, "num_kept_states") == 1  # the gauge sees the lease while it lives
+    finally:
+        sock.close()
+    wait_for(lambda: metric(srv, "num_kept_states") == 0, "the kept state to be dropped", 5)
+    wait_for(lambda: metric(srv, "num_requests_running") == 0, "the slot to be free", 5)
+    base, recs = _gone(srv, bases)
+    assert recs[-1]["finish_reason"] in ("abort", "stop")  # running when it left, or just read
+    bases.add(base)
+
+    # 2. gone while a later prompt waits in the queue behind a completion that holds the slot
+    done = threading.Event()
+
+    def hold():
+        hold_body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=hold_body, timeout=300) as r:
+            for _ in r.iter_lines():
+                if done.is_set():
+                    return
+
+    holder = threading.Thread(target=hold)
+    done0 = metric(srv, "e2e_request_latency_seconds_count")
+    sock = _send(srv, body)
+    try:
+        wait_for(lambda: metric(srv, "e2e_request_latency_seconds_count") >= done0 + 3, "three prompts read")
+        holder.start()
+        # the completion takes the slot when the running prompt ends; the next prompt queues
+        wait_for(lambda: metric(srv, "num_requests_waiting") == 1 and metric(srv, "num_requests_running") == 1,
+                 "a prompt queued behind the completion")
+        assert metric(srv, "num_kept_states") == 1
+        sock.close()
+        # dropped while the completion still runs, not when the queue drains
+        wait_for(lambda: metric(srv, "num_kept_states") == 0, "the kept state to be dropped", 5)
+        assert metric(srv, "num_requests_running") == 1, "the completion ended before the check"
+    finally:
+        sock.close()
+        done.set()
+        holder.join()
+    wait_for(lambda: metric(srv, "num_requests_running") == 0, "the slot to be free", 5)
+    base, recs = _gone(srv, bases)
+    assert recs[-1]["finish_reason"] == "abort" and recs[-1]["timings"]["queued"] is None  # never admitted
+    assert "Traceback" not in srv.stderr
+    still_fresh(srv, fresh)
