@@ -117,7 +117,7 @@ def test_a_full_queue_is_a_429_for_the_whole_request(server):
     done = threading.Event()
 
     def hold():
-        body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=300) as r:
             for _ in r.iter_lines():
                 if done.is_set():
@@ -135,7 +135,9 @@ def test_a_full_queue_is_a_429_for_the_whole_request(server):
         wait_for(lambda: metric(srv, "num_requests_waiting") == 1, "the short completion to queue")
         r = post(srv, fresh[0][0])
         completion = httpx.post(srv.url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 1})
-        assert metric(srv, "num_requests_running") == 1  # still full: both refusals saw a full queue
+        # still full (the completion holds the slot, so the short one still waits): both refusals
+        # met a full queue
+        assert metric(srv, "num_requests_running") == 1 and metric(srv, "num_requests_waiting") == 1
     finally:
         done.set()
         for t in threads:
@@ -261,7 +263,7 @@ def test_a_client_gone_midway_drops_the_kept_state(server):
     done = threading.Event()
 
     def hold():
-        hold_body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        hold_body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=hold_body, timeout=300) as r:
             for _ in r.iter_lines():
                 if done.is_set():
