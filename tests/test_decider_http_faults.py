@@ -21,7 +21,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from server_harness import ServerProcess
 from test_decider_http import (  # noqa: F401 - fixtures, used by name
