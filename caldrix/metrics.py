@@ -67,6 +67,8 @@ class _Live:
         yield gauge("kv_cache_usage_perc", "Fraction of KV slots in use, 0 to 1.", stats.running / slots if slots else 0.0)
         yield gauge("num_kv_slots", "KV slots (--max-batch), each holding --context rows.", slots)
         yield gauge("kv_cache_held_rows", "Prompt rows kept in free slots for prefix reuse.", stats.held_rows)
+        yield gauge("num_kept_states", "States kept for the later prompts of a /v1/systemone request (a lease), "
+                    "until the scheduler drops them.", stats.kept_states)
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Forward passes (scheduler steps) run.", labels=labels)
         steps.add_metric(value, stats.steps)
         yield steps

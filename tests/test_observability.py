@@ -177,7 +177,8 @@ def test_refusals_and_pending_halves_stay_bounded():
 def test_metrics_render_vllm_names_from_one_registry():
     a, b = Telemetry.create("m", 4), Telemetry.create("m", 4)  # two servers in one process
     assert a.metrics.registry is not b.metrics.registry
-    a.metrics.read_live_from(lambda: type("S", (), dict(running=1, waiting=2, free_slots=3, held_rows=7, steps=9))())
+    a.metrics.read_live_from(lambda: type("S", (), dict(running=1, waiting=2, free_slots=3, held_rows=7, steps=9,
+                                                                kept_states=1))())
     seq = finished_seq("r", range(40), output=(1, 2, 3, 4), prefix_rows=24)
     a.on_finish(seq)
     a.route_done("r", route="/v1/completions", status=200, finish=FinishReason.LENGTH, stream=False)
@@ -197,6 +198,7 @@ def test_metrics_render_vllm_names_from_one_registry():
     assert val(m, "caldrix:num_requests_running") == 1 and val(m, "caldrix:num_requests_waiting") == 2
     assert val(m, "caldrix:kv_cache_usage_perc") == pytest.approx(0.25)
     assert val(m, "caldrix:num_kv_slots") == 4 and val(m, "caldrix:kv_cache_held_rows") == 7
+    assert val(m, "caldrix:num_kept_states") == 1
     assert val(m, "caldrix:engine_steps_total") == 9
     assert samples(b.metrics.render().decode()).get(("caldrix:prompt_tokens_total", ())) == 0
 

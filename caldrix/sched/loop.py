@@ -44,6 +44,7 @@ class SchedStats:
     free_slots: int
     held_rows: int
     steps: int
+    kept_states: int = 0  # leases not yet dropped: /v1/systemone's states kept for later prompts
 
 
 @attrs.frozen
@@ -92,7 +93,8 @@ class Scheduler:
 
     def statistics(self, queued: int = 0) -> SchedStats:
         slots = self.policy.slots
-        return SchedStats(len(self.policy.running), queued, slots.num_free, slots.rows_held(), self._steps)
+        return SchedStats(len(self.policy.running), queued, slots.num_free, slots.rows_held(), self._steps,
+                          len(self._leases))
 
     @property
     def overlap(self) -> bool:
