@@ -345,6 +345,8 @@ def test_a_full_queue_is_a_429(smollm2_server):
         assert r.status_code == 429, r.text
         assert r.json()["error"] == {"code": None, "message": "the request queue is full", "param": None,
                                      "type": "rate_limit_error"}
+        # as on the completions routes: when to try again, in seconds and in milliseconds
+        assert 1 <= int(r.headers["Retry-After"]) <= 60 and int(r.headers["retry-after-ms"]) >= 1
         rec = httpx.get(srv.url + "/debug/requests", params={"last": 1}).json()["data"][-1]
         assert rec["route"] == "/v1/systemone" and rec["status"] == 429
     finally:

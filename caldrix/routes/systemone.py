@@ -29,6 +29,7 @@ from caldrix.decider.systemone import DeciderReading
 from caldrix.routes.responses import json_response
 from caldrix.generate import EngineStopped, GenRequest, QueueFull, submit
 from caldrix.protocol import FinishReason, SamplingParams, StateLease
+from caldrix.routes import backoff
 from caldrix.routes.debug import refuse
 from caldrix.routes.errors import ApiError
 from caldrix.systemone import jsonlex
@@ -85,7 +86,7 @@ async def systemone():
                 if probe.text and log.isEnabledFor(logging.DEBUG):  # text only when asked for
                     log.debug("%s question %s prompt %s", rid, plan.question.name, json.dumps(probe.text))
                 keep = lease is not None and not ran
-                read, reused = await _read(submit_tx, rid, probe, ran, lease, keep)
+                read, reused = await _read(rt, submit_tx, rid, probe, ran, lease, keep)
                 reads.append(read)
                 tokens += probe.counted - reused
             try:
@@ -124,7 +125,7 @@ def _lease_for(rt, plans: list[Plan]) -> StateLease | None:
     return StateLease(next(_lease_keys), shared)
 
 
-async def _read(submit_tx: trio.MemorySendChannel, rid: str, probe: Probe, ran: list[str],
+async def _read(rt, submit_tx: trio.MemorySendChannel, rid: str, probe: Probe, ran: list[str],
                 lease: StateLease | None = None, keep: bool = False) -> tuple[tuple[float, ...], int]:
     """Submit one read-only probe and wait for its logits: (the read, the prompt tokens it
     did not read because it started from the lease's kept state)."""
@@ -134,7 +135,8 @@ async def _read(submit_tx: trio.MemorySendChannel, rid: str, probe: Probe, ran: 
         rx = submit(submit_tx, gen, read_ids=probe.read_ids, lease=lease, keep_state=keep)
     except QueueFull:
         refuse(rid, gen, 429, stream=False)
-        raise ApiError.queue_full() from None
+        wait = backoff.retry_after_s(rt.telemetry.records(), submit_tx.statistics().current_buffer_used, rt.cfg.max_batch)
+        raise ApiError.queue_full(backoff.headers(wait)) from None
     except EngineStopped:
         refuse(rid, gen, 503, stream=False)
         raise ApiError.engine_unavailable() from None
