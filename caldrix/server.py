@@ -6,9 +6,10 @@ Task tree:
       Scheduler.run(rx)          sole owner of sequences and KV slots; steps on its lane threads
       hypercorn.trio.serve(app)  HTTP handlers, each in hypercorn's own nursery under this one
 
-Shutdown: SIGINT or SIGTERM stops the listeners; hypercorn lets running requests finish (up to
-the graceful timeout; two seconds before it the scheduler ends any still running with a clean
-"shutting down" error); then the request channel is closed, the scheduler ends when its running
+Shutdown: SIGINT or SIGTERM stops the listeners and closes idle keep-alive connections at once;
+hypercorn lets running requests finish (up to the graceful timeout; two seconds before it the
+scheduler ends any still running with a clean "shutting down" error) and closes each connection
+as its response ends; then the request channel is closed, the scheduler ends when its running
 requests have, and serve() returns so the process exits 0.
 """
 
@@ -56,6 +57,9 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     hc = HyperConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.graceful_timeout = cfg.graceful_timeout
+    # An idle keep-alive connection is closed after 5 s (hypercorn's default, and uvicorn's, so
+    # vLLM's), and at once when a stop begins; both only work with finish_shielded below.
+    hc.keep_alive_timeout = 5.0
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     stop = trio.Event()
@@ -71,7 +75,8 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         async with submit_tx:  # closed once hypercorn is done: the scheduler then drains and ends
             async with trio.open_nursery() as watchdog:
                 watchdog.start_soon(_cut_before_deadline, stop, rt.scheduler, cfg.graceful_timeout)
-                await hypercorn_serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
+                await hypercorn_serve(finish_shielded(app), hc, shutdown_trigger=stop.wait,
+                                      task_status=task_status, mode="asgi")
                 watchdog.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
@@ -81,6 +86,37 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         say(f"caldrix: listening on http://{cfg.host}:{cfg.port}/v1")
         task_status.started(binds)
     say("caldrix: stopped")
+
+
+def finish_shielded(app):
+    """The ASGI app, with the send that ends each response shielded from cancellation.
+
+    Inside that send, hypercorn (0.18, HTTP/1.1) ends the request: it puts `http.disconnect` on
+    the app's receive channel, then either readies the connection for the next request, which
+    starts its idle watcher (the task that closes it after keep_alive_timeout, or at once when
+    a stop begins), or, once a stop has begun, closes it. quart-trio (0.12) cancels the
+    request's nursery as soon as its receive task sees that `http.disconnect`, and the
+    cancellation landed on the next checkpoint, still inside this send: the watcher never
+    started, or the close was skipped. An idle keep-alive connection then stayed open until
+    the client closed it, and a stop waited the whole --graceful-timeout for it. Shielded, the
+    send finishes that bookkeeping and the cancellation lands after it. The shield adds no wait
+    of its own: the one step that can block, the socket write, hypercorn already shields.
+    """
+
+    async def asgi(scope, receive, send):
+        async def send_last_shielded(message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        if scope["type"] == "http":
+            await app(scope, receive, send_last_shielded)
+        else:
+            await app(scope, receive, send)
+
+    return asgi
 
 
 def warn_if_exposed(host: str) -> None:

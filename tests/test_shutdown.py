@@ -1,0 +1,148 @@
+"""Stopping `caldrix serve` with SIGTERM while clients hold keep-alive connections.
+
+A real server on a loopback port (tests/server_harness.py) with the embedded SmolLM2-135M; each
+test starts its own (about 8 s on two cores), since SIGTERM ends it. What is checked:
+
+- idle keep-alive connections (an `openai.OpenAI` client left open after its request, and a raw
+  connection that never sent one) do not hold the stop: the process exits in seconds, not the
+  30 s --graceful-timeout;
+- an idle keep-alive connection is closed by the server after 5 s (hypercorn's keep-alive timeout);
+- requests in flight at SIGTERM, one streaming and one queued behind it, still finish whole, and
+  the process exits right after them although their clients keep their connections open.
+
+Before the fix in caldrix/server.py (finish_shielded) the first and last took 30 s to stop and
+the second never saw its connection closed.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from server_harness import ServerProcess
+
+STOP_WITHIN = 5.0  # seconds from SIGTERM (or the last response) to exit: well short of 30
+NO_RETRIES = dict(api_key="unused", max_retries=0, timeout=120.0)
+
+
+def start(model_dir: Path, name: str) -> ServerProcess:
+    # The default --graceful-timeout (30 s): the point is that idle connections do not wait for it.
+    return ServerProcess.start(model_dir, "--dtype", "float32", "--served-name", name)
+
+
+def raw_request(port: int) -> tuple[socket.socket, bytes]:
+    """A keep-alive HTTP/1.1 GET /healthz on a socket of its own, left open; its response head."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    got = b""
+    while not got.endswith(b"ok"):
+        chunk = s.recv(4096)
+        assert chunk, f"connection closed before the response ended: {got!r}"
+        got += chunk
+    return s, got
+
+
+def time_to_eof(s: socket.socket, limit: float) -> float:
+    """Seconds until the peer closes `s` (reads nothing but EOF), at most `limit`."""
+    t0 = time.monotonic()
+    s.settimeout(limit)
+    try:
+        got = s.recv(1)
+    except TimeoutError:
+        raise AssertionError(f"the server left an idle connection open for {limit:.0f} s") from None
+    assert got == b"", "the server sent bytes on an idle connection"
+    return time.monotonic() - t0
+
+
+def wait_exit(srv: ServerProcess, since: float) -> float:
+    status = srv.wait(60)
+    took = time.monotonic() - since
+    assert status == 0, f"exit status {status}:\n{srv.stderr}"
+    return took
+
+
+def test_sigterm_with_idle_keepalive_connections_exits_at_once(smollm2_dir: Path):
+    srv = start(smollm2_dir, "idle")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", **NO_RETRIES)
+        done = client.completions.create(model="idle", prompt="Hello", max_tokens=2)
+        assert done.usage.completion_tokens == 2
+        used, head = raw_request(srv.port)
+        assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()
+        never_used = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        # The openai client's pooled connection, `used` and `never_used` are all open and idle.
+        t0 = time.monotonic()
+        srv.terminate()
+        assert time_to_eof(used, STOP_WITHIN) < STOP_WITHIN
+        assert time_to_eof(never_used, STOP_WITHIN) < STOP_WITHIN
+        took = wait_exit(srv, t0)
+        assert took < STOP_WITHIN, f"the stop took {took:.1f} s with idle connections open"
+        assert "SIGTERM received" in srv.stderr and "caldrix: stopped" in srv.stderr
+        client.close()
+        used.close()
+        never_used.close()
+    finally:
+        srv.stop()
+
+
+def test_idle_keepalive_connection_is_closed_after_5_s(smollm2_dir: Path):
+    srv = start(smollm2_dir, "keepalive")
+    try:
+        s, head = raw_request(srv.port)
+        assert head.startswith(b"HTTP/1.1 200")
+        idle = time_to_eof(s, 20.0)
+        s.close()
+        assert 4.0 < idle < 8.0, f"closed after {idle:.1f} s idle"
+        assert srv.alive
+    finally:
+        assert srv.stop() == 0, srv.stderr
+
+
+def running_and_waiting(url: str) -> int:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = re.findall(r"^caldrix:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M)
+    assert len(found) == 2, text
+    return sum(int(float(v)) for v in found)
+
+
+def test_requests_in_flight_at_sigterm_finish_then_it_exits_at_once(smollm2_dir: Path):
+    srv = start(smollm2_dir, "flight")
+    try:
+        streamer = openai.OpenAI(base_url=srv.url + "/v1", **NO_RETRIES)
+        other = openai.OpenAI(base_url=srv.url + "/v1", **NO_RETRIES)
+        stream = streamer.completions.create(model="flight", prompt="Once upon a time", max_tokens=24,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        queued: list = []
+        behind = threading.Thread(target=lambda: queued.append(other.completions.create(
+            model="flight", prompt="The sea", max_tokens=8, extra_body={"ignore_eos": True})))
+        behind.start()
+        deadline = time.monotonic() + 30
+        while running_and_waiting(srv.url) < 2:  # the second request has reached the scheduler
+            assert time.monotonic() < deadline and behind.is_alive(), "the second request never arrived"
+            time.sleep(0.05)
+        srv.terminate()
+        chunks += list(stream)
+        behind.join(120)
+        finished = time.monotonic()
+        # Both clients still hold their connections open here.
+        took = wait_exit(srv, finished)
+        assert "SIGTERM received" in srv.stderr
+        # The stream ran whole: all 24 tokens, then its usage chunk (no error event instead).
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+        assert len(queued) == 1 and queued[0].usage.completion_tokens == 8
+        assert queued[0].choices[0].finish_reason == "length"
+        assert took < STOP_WITHIN, f"exit came {took:.1f} s after the last response"
+        streamer.close()
+        other.close()
+    finally:
+        srv.stop()
