@@ -143,9 +143,10 @@ http {{
             proxy_connect_timeout 2s;
 
             # A replica that refuses the connection, answers 502/503, or whose queue is full
-            # (429) gets the request passed to one other replica. 429 never marks a replica down;
-            # a refused connection or a 502/503 takes it out for fail_timeout, after which the
-            # next request tries it again. Nothing is retried once the client got a byte.
+            # (429) gets the request passed to one other replica. Each of these also counts as a
+            # failed attempt: the replica gets no new requests for fail_timeout, then the next
+            # request tries it again. Nothing is retried once the client got a byte. (A replica
+            # that hangs is taken out by deploy/replicas.py's /healthz watcher, marked `down`.)
             proxy_next_upstream error http_502 http_503 http_429 non_idempotent;
             proxy_next_upstream_tries 2;
             proxy_intercept_errors off;

@@ -3,7 +3,7 @@
 Needs the nginx binary (Debian's `nginx` package; .ci/run installs it). The replicas serve the
 embedded SmolLM2 with `--max-batch 1 --queue-depth 1`, so one replica holds at most one running
 and one waiting request and a third is its 429. Costs: three server starts in parallel (about
-30 s on 2 cores) and some 20 s of requests.
+30 s on 2 cores) and some 35 s of requests, 15 of them the health watcher's test.
 """
 
 from __future__ import annotations
