@@ -213,7 +213,10 @@ def test_the_watcher_takes_a_hung_replica_out_and_puts_it_back(cluster):
     victim = cluster.replicas[v]
     addr = ("127.0.0.1", victim.port)
     others = [r.port for i, r in enumerate(cluster.replicas) if i != v]
-    post = lambda json, **kw: httpx.post(cluster.url + "/v1/chat/completions", json=json, timeout=30, **kw)  # noqa: E731
+
+    def post(body: dict, **kw) -> httpx.Response:  # a fresh connection each: none kept to an old worker
+        return httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30, **kw)
+
     hi = _chat([{"role": "user", "content": "Hi"}], max_tokens=2)
     try:
         # A session key whose requests the victim serves, and one served by another replica.
