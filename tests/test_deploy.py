@@ -3,12 +3,15 @@
 Needs the nginx binary (Debian's `nginx` package; .ci/run installs it). The replicas serve the
 embedded SmolLM2 with `--max-batch 1 --queue-depth 1`, so one replica holds at most one running
 and one waiting request and a third is its 429. Costs: three server starts in parallel (about
-30 s on 2 cores) and some 20 s of requests.
+30 s on 2 cores) and some 35 s of requests, 15 of them the health watcher's test.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -191,6 +194,112 @@ def _gauge(replica: ServerProcess, name: str) -> float:
     raise AssertionError(f"no caldrix:{name} in /metrics")
 
 
+def _server_lines(balancer, port: int) -> list[str]:
+    """The `server 127.0.0.1:port ...;` lines of the balancer's running config (one per upstream)."""
+    return [ln.strip() for ln in balancer.conf.read_text().splitlines()
+            if ln.strip().startswith(f"server 127.0.0.1:{port} ")]
+
+
+@needs_nginx
+def test_the_watcher_takes_a_hung_replica_out_and_puts_it_back(cluster):
+    """SIGSTOP leaves a replica's port open (the kernel still accepts connections) while
+    nothing answers: nginx alone would send it requests that hang for proxy_read_timeout.
+    The watcher marks it down in the config, a stream open across that reload finishes, and
+    after SIGCONT the replica is marked up and serves its sessions again."""
+    said: list[str] = []
+    # The script's timeout and hysteresis (2 s, 3 in a row); rounds every 0.5 s, not 2, to be quick.
+    watcher = deploy.Watcher(cluster.balancer, interval=0.5, timeout=2.0, in_a_row=3, say=said.append).start()
+    v = 1
+    victim = cluster.replicas[v]
+    addr = ("127.0.0.1", victim.port)
+    others = [r.port for i, r in enumerate(cluster.replicas) if i != v]
+
+    def post(body: dict, **kw) -> httpx.Response:  # a fresh connection each: none kept to an old worker
+        return httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30, **kw)
+
+    hi = _chat([{"role": "user", "content": "Hi"}], max_tokens=2)
+    try:
+        # A session key whose requests the victim serves, and one served by another replica.
+        # (This runs before the spill test on purpose: nginx counts a 429 it passed on as a
+        # failure, and for fail_timeout sends that replica's sessions to its neighbours.)
+        homes: dict[int, str] = {}
+        keys = (f"watch-{k}" for k in range(1000))
+
+        def found() -> bool:
+            key = next(keys)
+            r = post(hi, headers={"X-Session-ID": key})
+            assert r.status_code == 200, r.text
+            homes.setdefault(cluster.upstreams(r)[0], key)
+            return v in homes and len(homes) >= 2
+
+        _wait_until(found, what="session keys for the victim and another replica")
+        victim_key, other_key = homes[v], next(key for i, key in homes.items() if i != v)
+
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        # After the victim's second failed poll, open a stream on another replica: the reload
+        # comes at the third, which takes the whole 2 s timeout, while the stream runs.
+        _wait_until(lambda: watcher.streak[addr] >= 2, what="two failed polls")
+        stream: dict = {}
+
+        def run_stream() -> None:
+            body = {"model": MODEL, "prompt": "The history of bread begins", "max_tokens": 320,
+                    "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            stream["sent_at"] = time.monotonic()
+            with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120,
+                              headers={"X-Session-ID": other_key}) as resp:
+                stream["status"], stream["upstream"] = resp.status_code, resp.headers.get("x-caldrix-upstream")
+                chunks = []
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line[6:])
+                        stream["last_at"] = time.monotonic()
+                stream["chunks"] = chunks
+
+        streamer = threading.Thread(target=run_stream)
+        streamer.start()
+        _wait_until(lambda: watcher.state[addr] == "down", what="the victim marked down")
+        went_down = [t for t, r, s in watcher.changed_at if r == addr and s == "down"][0]
+        # nginx's old worker, which holds the stream, is still there, stopping once it ends.
+        assert streamer.is_alive(), "the stream ended before the reload; make it longer"
+        old_workers = [pid for pid, title in deploy._children(cluster.balancer.proc.pid).items()
+                       if "shutting down" in title]
+        assert old_workers, deploy._children(cluster.balancer.proc.pid)
+        line = f"{addr[0]}:{addr[1]} up -> down (3 polls in a row failed, the last: /healthz gave no answer within 2 s)"
+        assert any(line in s for s in said), said
+        assert all(ln.endswith(" down;") for ln in _server_lines(cluster.balancer, victim.port))
+        assert len(_server_lines(cluster.balancer, victim.port)) == 2  # least_conn's and the hash's upstreams
+        assert not any(ln.endswith(" down;") for p in others for ln in _server_lines(cluster.balancer, p))
+
+        # Every request is answered by the others, the victim's own session included: nginx
+        # does not try a down server at all (path of one).
+        streamer.join()
+        for headers in ({"X-Session-ID": victim_key}, {}, {}, {}):
+            r = post(hi, headers=headers)
+            assert r.status_code == 200, r.text
+            assert cluster.upstreams(r) != [v] and len(cluster.upstreams(r)) == 1, r.headers
+        # The stream was open across the reload and lost nothing; then the old worker exited.
+        assert stream["status"] == 200 and stream["upstream"] != f"127.0.0.1:{victim.port}", stream
+        assert stream["sent_at"] < went_down < stream["last_at"], (stream, went_down)
+        _wait_until(lambda: not set(old_workers) & set(deploy._children(cluster.balancer.proc.pid)),
+                    what="the old nginx worker to exit")
+        *tokens, usage, done = stream["chunks"]
+        assert done == "[DONE]" and json.loads(usage)["usage"]["completion_tokens"] == 320, (usage, done)
+        assert json.loads(tokens[-1])["choices"][0]["finish_reason"] == "length", tokens[-1]
+
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        _wait_until(lambda: watcher.state[addr] == "up", what="the victim marked up again")
+        assert any(f"{addr[0]}:{addr[1]} down -> up (/healthz answered 200 3 times in a row)" in s for s in said), said
+        assert not any(ln.endswith(" down;") for ln in _server_lines(cluster.balancer, victim.port))
+        r = post(hi, headers={"X-Session-ID": victim_key})
+        assert r.status_code == 200 and cluster.upstreams(r) == [v], r.headers
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        watcher.stop()
+        if cluster.balancer.down:
+            cluster.balancer.set_down(frozenset())
+
+
 @needs_nginx
 def test_a_full_queue_spills_the_next_request_to_another_replica(cluster):
     key = {"X-Session-ID": "spill"}
@@ -219,7 +328,6 @@ def test_a_full_queue_spills_the_next_request_to_another_replica(cluster):
                 assert running.status_code == waiting.status_code == 200
     # The replica recorded the spilled request as its 429.
     assert [rec["status"] for rec in _records(replica, 20)].count(429) >= 2
-
 
 @needs_nginx
 def test_stopping_a_replica_mid_run_loses_no_request(cluster):
