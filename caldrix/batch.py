@@ -35,6 +35,9 @@ class Run:
     draw_index: int = 0
     # Token ids whose raw logits are returned at the last pick_at offset.
     read_ids: tuple[int, ...] = ()
+    # Only `read_ids` are wanted at the last row, no pick (a /v1/systemone probe): the engine
+    # may compute just those logits, and RunOutput.token_ids may then be empty.
+    read_only: bool = False
     # A speculative verify: token_ids are the last known token and the guesses after it, with
     # pick_at at every offset. The engine computes each row exactly as a one-row decode step
     # would, so the picks are the tokens plain decoding gives.

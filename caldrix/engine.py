@@ -300,7 +300,13 @@ class Engine:
             at = Attend("prefill", (r.slot,), torch.arange(r.start, r.end), torch.arange(r.start, r.end),
                         embeds=embeds, embed_rows=embed_rows)
             hidden = self.model(torch.tensor(r.token_ids), at, self.state)
-            if r.pick_at:
+            # A probe's few label logits, not the whole head (248k rows for Qwen3.5), where the
+            # model can give them (read_logits; None where it keeps no plain head rows).
+            reader = getattr(self.model, "read_logits", None) if r.read_only and r.read_ids else None
+            got = reader(hidden[list(r.pick_at[-1:])], r.read_ids) if reader is not None else None
+            if got is not None:
+                picked[id(r)], reads[id(r)] = [], got.tolist()
+            elif r.pick_at:
                 logits = self.model.logits(hidden[list(r.pick_at)])
                 picked[id(r)], reads[id(r)] = pick_run(r, logits, self._rows[r.slot])
         for r in batch.runs:

@@ -245,3 +245,25 @@ def test_bfloat16_loads_and_runs(tmp_path):
     ours = torch.cat([first, torch.stack(rest)])
     their_err = (theirs - want[:len(ids)]).abs().max()
     assert (ours - want).abs().max() <= 2 * their_err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_logits_are_the_heads_rows(tmp_path, dtype):
+    """read_logits (a probe's few label logits, engine.step's read-only path) equals the head's
+    logits at those ids; an untied head packed at load keeps no plain rows, so it says None
+    and the engine computes the whole head."""
+    from caldrix.kernels.packed import can_pack
+
+    ids = (5, 0, 77, 5, 96)
+    for name in ("text-tied", "text-untied"):
+        path, _ = build(tmp_path, name)
+        model = load_qwen35(path, dtype)
+        hidden = torch.randn(1, model.cfg.hidden_size).to(dtype)
+        got = model.read_logits(hidden, ids)
+        if name == "text-untied" and dtype == torch.bfloat16 and can_pack(dtype, "cpu"):
+            assert got is None
+            continue
+        want = model.logits(hidden)[0, list(ids)]
+        assert got.dtype == torch.float32 and got.shape == (len(ids),)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * want.abs().max().item()
+        assert (got - want).abs().max().item() <= tol

@@ -368,6 +368,16 @@ class Qwen35(nn.Module):
         state.end(at)
         return x
 
+    def read_logits(self, hidden: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor | None:
+        """hidden [1, D] -> float32 logits [len(ids)] of those tokens alone: a reading needs a
+        few label logits, not the whole head. None when the head's plain rows are not kept (an
+        untied head packed at load)."""
+        w = self.embed.weight if self.lm_head is None else getattr(self.lm_head, "weight", None)
+        if w is None:
+            return None
+        x = zc_norm(hidden, self.norm_scale, self.cfg.rms_norm_eps)
+        return F.linear(x, w[list(ids)]).float()[0]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> float32 logits [N, V]."""
         x = zc_norm(hidden, self.norm_scale, self.cfg.rms_norm_eps)

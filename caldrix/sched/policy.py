@@ -204,6 +204,7 @@ class Policy:
             sampling=seq.sub.sampling,
             draw_index=0,
             read_ids=seq.sub.read_ids if last else (),
+            read_only=last and seq.sub.is_read_only,
             embeds=tuple(e for e in seq.sub.embeds if e.start < end and start < e.start + e.count),
             restore=seq.restore_key if seq.restore_key and start == seq.prefix_rows else 0,
             snapshot=seq.sub.lease.key if keep and end == keep else 0,
