@@ -78,6 +78,9 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
                 await hypercorn_serve(finish_shielded(app), hc, shutdown_trigger=stop.wait,
                                       task_status=task_status, mode="asgi")
                 watchdog.cancel_scope.cancel()
+        vision = app.extensions.get("caldrix.vision")
+        if vision is not None:  # every handler has ended, so nothing runs on its threads
+            vision.limiter.close()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signal, stop)
