@@ -83,8 +83,11 @@ def raw_post(port: int, path: str, body: dict) -> socket.socket:
 @pytest.fixture(scope="module")
 def depth_one(tiny):  # noqa: F811 (the imported fixture)
     _, _, path = tiny
+    # --max-batch 4: once their images are ready, the three requests that decoded them run
+    # together; at the default 1 the third would meet the *request* queue (also --queue-depth
+    # deep) full, a 429 of its own that this test is not about.
     with ServerProcess.start(path, "--dtype", "float32", "--context", str(CONTEXT), "--served-name", "m",
-                             "--queue-depth", "1") as srv:
+                             "--queue-depth", "1", "--max-batch", "4") as srv:
         yield srv
 
 
