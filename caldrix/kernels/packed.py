@@ -3,7 +3,7 @@
 On a CPU with oneDNN's bfloat16 support (avx512_bf16 or AMX: `can_pack`), a bfloat16 matmul
 on the packed weight skips the per-call reorder F.linear does: at a few rows (decode) it reads
 the weight about 1.5x faster, and at a thousand rows (a vision tile, a prefill chunk) it is
-about 1.3x faster with the bias and a GELU fused into the same call. Results per row do not
+about 1.3x faster with the bias and a GELU (or a residual sum) fused into the same call. Results per row do not
 depend on the row count. Model files swap their nn.Linear for these in a `pack()` step after
 loading; float32 models and other CPUs keep nn.Linear.
 """
@@ -35,7 +35,14 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
         self.attr, self.algorithm = ("gelu", gelu) if gelu else ("none", "")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed,
-                                               self.bias, self.attr, [], self.algorithm)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With `residual` [..., out]: residual + x W^T + b, the sum taken inside the same call
+        (in float32, rounded once), which spares a pass over the output (no activation then)."""
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if residual is None:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, self.attr, [], self.algorithm)
+        else:
+            assert self.attr == "none", "a residual sum takes no activation"
+            other = residual.reshape(-1, self.out_features).contiguous()
+            y = torch.ops.mkldnn._linear_pointwise.binary(x2, other, self.packed, self.bias, "add")
         return y.view(*x.shape[:-1], self.out_features)

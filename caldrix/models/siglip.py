@@ -82,8 +82,8 @@ class EncoderLayer(nn.Module):
         self.gelu_in_fc1 = False  # pack(): fc1 applies the GELU itself
 
     def pack(self) -> None:
-        """Swap the four Linears for PackedLinears, the GELU fused into fc1 (bfloat16 on a CPU
-        with oneDNN's bf16 support only: kernels.packed.can_pack)."""
+        """Swap the four Linears for PackedLinears, the GELU fused into fc1 and the residual sums
+        into wo and fc2 (bfloat16 on a CPU with oneDNN's bf16 support only: kernels.packed.can_pack)."""
         for name in ("wqkv", "wo", "fc2"):
             lin = getattr(self, name)
             setattr(self, name, PackedLinear(lin.weight, lin.bias))
@@ -95,9 +95,12 @@ class EncoderLayer(nn.Module):
         h = self.heads
         qkv = self.wqkv(self.norm1(x)).view(N, n, 3, h, d // h).permute(2, 0, 3, 1, 4)  # [3, N, H, n, E]
         attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # every patch sees every patch of its tile
-        x = x + self.wo(attn.transpose(1, 2).reshape(N, n, d))
-        up = self.fc1(self.norm2(x))
-        return x + self.fc2(up if self.gelu_in_fc1 else F.gelu(up, approximate="tanh"))
+        attn = attn.transpose(1, 2).reshape(N, n, d)
+        if self.gelu_in_fc1:  # packed: the residual sums inside wo's and fc2's calls
+            x = self.wo(attn, residual=x)
+            return self.fc2(self.fc1(self.norm2(x)), residual=x)
+        x = x + self.wo(attn)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
 
 
 class SiglipVisionTower(nn.Module):
