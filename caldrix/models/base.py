@@ -23,10 +23,12 @@ Shapes: T packed rows, D hidden, S slots, C context rows, G kv heads, E head dim
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Protocol
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 
 @attrs.frozen
@@ -164,3 +166,39 @@ class Loaded:
     int4_ours: bool = False  # the 4-bit matmuls run caldrix's kernel, not torch's
     scripted_rows: bool = False  # decode-form layers run as one TorchScript call
     scripted_pass: bool = False  # and the embedding, head and arg-max with them
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Attend, K: torch.Tensor,
+                  V: torch.Tensor) -> torch.Tensor:
+    """Write a pass's keys and values into one layer's per-slot rows and attend over them, in
+    torch's SDPA: q [T, H, E], k and v [T, G, E]; K and V [S, G, C, E]. Returns [T, H*E].
+
+    decode: one row per slot (at.slots, at.lengths), one call per slot over exactly its own
+    rows: a padded, masked batch would change the float reduction with the batch mates'
+    lengths (measured in bf16), and a reply must not depend on who else is decoding. A
+    padding row (length 0) gets zeros. prefill: T rows of one slot from at.write_rows[0],
+    causal over the slot's rows before them and their own."""
+    T, h, e = q.shape
+    scale = 1.0 / math.sqrt(e)
+    if at.kind == "decode":
+        K[at.slot_index, :, at.write_rows] = k
+        V[at.slot_index, :, at.write_rows] = v
+        qs = q.unsqueeze(2)  # [T, H, 1, E]
+        zero = q.new_zeros(1, h, 1, e)
+        out = [F.scaled_dot_product_attention(qs[i:i + 1], K[s:s + 1, :, :n], V[s:s + 1, :, :n],
+                                              scale=scale, enable_gqa=True) if n else zero
+               for i, (s, n) in enumerate(zip(at.slots, at.lengths))]
+        return torch.cat(out).reshape(T, h * e)
+    (slot,) = at.slots
+    start = int(at.write_rows[0])
+    K[slot, :, start:start + T] = k.transpose(0, 1)  # [G, T, E]
+    V[slot, :, start:start + T] = v.transpose(0, 1)
+    n = start + T
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, E]
+    keys, values = K[slot:slot + 1, :, :n], V[slot:slot + 1, :, :n]
+    if start == 0:
+        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # row i sees keys 0..start+i
+        mask = torch.arange(n, device=q.device)[None] <= (torch.arange(T, device=q.device) + start)[:, None]
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(T, h * e)

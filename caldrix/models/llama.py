@@ -23,7 +23,7 @@ from torch import nn
 from caldrix.kernels import native
 from caldrix.kernels.ops import apply_rope, rms_norm
 from caldrix.kernels.q4 import Q8Embedding
-from caldrix.models.base import Attend, KVCache, input_rows
+from caldrix.models.base import Attend, KVCache, attend_cached, input_rows
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
@@ -158,41 +158,14 @@ class Block(nn.Module):
         if at.kind == "decode" and at.native:
             return torch.ops.caldrix.decode_attend(q, k, v, K, V, list(at.slots), list(at.lengths), scale)
         if at.kind == "decode" and T == 1 and at.lengths[0]:
-            # One row (single-stream decode): the general form below with its list and cat
+            # One row (single-stream decode): attend_cached's decode form with its list and cat
             # taken out, about 8 us a layer; the same call on the same rows.
             s, n = at.slots[0], at.lengths[0]
             K[s, :, n - 1], V[s, :, n - 1] = k[0], v[0]
             out = F.scaled_dot_product_attention(q.unsqueeze(2), K[s : s + 1, :, :n], V[s : s + 1, :, :n],
                                                  scale=scale, enable_gqa=True)
             return out.reshape(1, h * e)
-        if at.kind == "decode":
-            K[at.slot_index, :, at.write_rows] = k  # k: [T, G, E], one row per slot
-            V[at.slot_index, :, at.write_rows] = v
-            qs = q.unsqueeze(2)  # [T, H, 1, E]
-            # One call per slot over exactly its own rows: a padded, masked batch would change
-            # the float reduction with the batch mates' lengths (measured in bf16), and a reply
-            # must not depend on who else is decoding.
-            zero = q.new_zeros(1, h, 1, e)
-            out = [
-                F.scaled_dot_product_attention(qs[i : i + 1], K[s : s + 1, :, :n], V[s : s + 1, :, :n],
-                                               scale=scale, enable_gqa=True) if n else zero
-                for i, (s, n) in enumerate(zip(at.slots, at.lengths))
-            ]
-            return torch.cat(out).reshape(T, h * e)
-        (slot,) = at.slots
-        start = int(at.write_rows[0])
-        K[slot, :, start : start + T] = k.transpose(0, 1)  # [G, T, E]
-        V[slot, :, start : start + T] = v.transpose(0, 1)
-        n = start + T
-        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, E]
-        keys, values = K[slot : slot + 1, :, :n], V[slot : slot + 1, :, :n]
-        if start == 0:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # row i sees keys 0..start+i
-            mask = torch.arange(n).unsqueeze(0) <= (torch.arange(T) + start).unsqueeze(1)
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(T, h * e)
+        return attend_cached(q, k, v, at, K, V)
 
 
 class Decoder(nn.Module):

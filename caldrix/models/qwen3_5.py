@@ -18,7 +18,6 @@ W conv channels (2*nk*dk + nv*dv), nk/nv linear key/value heads of dk/dv dims, K
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import attrs
@@ -28,7 +27,7 @@ from torch import nn
 
 from caldrix.kernels.packed import PackedLinear
 from caldrix.models import gated_delta
-from caldrix.models.base import Attend
+from caldrix.models.base import Attend, attend_cached
 from caldrix.models.qwen3_5_state import Qwen35Snapshot, Qwen35State  # noqa: F401 (re-exported)
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
@@ -162,36 +161,8 @@ class FullAttention(nn.Module):
         q, gate = qg[..., :e], qg[..., e:].reshape(T, h * e)
         q = rotate(zc_norm(q, self.q_scale, cfg.rms_norm_eps), cos, sin)  # [T, H, E]
         k = rotate(zc_norm(k.view(T, g, e), self.k_scale, cfg.rms_norm_eps), cos, sin)  # [T, G, E]
-        attn = self._attend(q, k, v.view(T, g, e), at, state.k[self.slot], state.v[self.slot])  # [T, H*E]
+        attn = attend_cached(q, k, v.view(T, g, e), at, state.k[self.slot], state.v[self.slot])  # [T, H*E]
         return self.wo(attn * torch.sigmoid(gate))
-
-    def _attend(self, q, k, v, at: Attend, K, V) -> torch.Tensor:
-        T, h, e = q.shape
-        scale = 1.0 / math.sqrt(e)
-        if at.kind == "decode":
-            K[at.slot_index, :, at.write_rows] = k  # [T, G, E]: one row per slot
-            V[at.slot_index, :, at.write_rows] = v
-            qs = q.unsqueeze(2)  # [T, H, 1, E]
-            zero = q.new_zeros(1, h, 1, e)
-            # one call per slot over exactly its own rows, so that a row's result does not
-            # depend on its batch mates' lengths (as in decoder.Block._attend)
-            out = [F.scaled_dot_product_attention(qs[i:i + 1], K[s:s + 1, :, :n], V[s:s + 1, :, :n],
-                                                  scale=scale, enable_gqa=True) if n else zero
-                   for i, (s, n) in enumerate(zip(at.slots, at.lengths))]
-            return torch.cat(out).reshape(T, h * e)
-        (slot,) = at.slots
-        start = int(at.write_rows[0])
-        K[slot, :, start:start + T] = k.transpose(0, 1)  # [G, T, E]
-        V[slot, :, start:start + T] = v.transpose(0, 1)
-        n = start + T
-        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, E]
-        keys, values = K[slot:slot + 1, :, :n], V[slot:slot + 1, :, :n]
-        if start == 0:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # row i sees keys 0..start+i
-            mask = torch.arange(n, device=q.device)[None] <= (torch.arange(T, device=q.device) + start)[:, None]
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(T, h * e)
 
 
 class LinearAttention(nn.Module):
