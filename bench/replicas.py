@@ -67,17 +67,6 @@ def start_replica(flags: list[str], n: int, logdir: Path, name: str) -> tuple[su
     return proc, f"http://{HOST}:{port}"
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=45)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 def served_name(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -126,7 +115,7 @@ def run_one(flags, streams, max_tokens, logdir) -> dict:
         asyncio.run(workload(url, served_name(url), streams, 4))  # warm-up at the same width
         return asyncio.run(workload(url, served_name(url), streams, max_tokens))
     finally:
-        stop([proc])
+        deploy.stop_replicas([proc])
 
 
 def run_balanced(n, flags, streams, max_tokens, logdir) -> dict:
@@ -144,7 +133,7 @@ def run_balanced(n, flags, streams, max_tokens, logdir) -> dict:
     finally:
         if balancer is not None:
             balancer.stop()
-        stop(procs)
+        deploy.stop_replicas(procs)
 
 
 def main() -> int:

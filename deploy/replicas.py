@@ -400,6 +400,19 @@ def replica_env(n: int) -> dict[str, str]:
     return env
 
 
+def stop_replicas(procs: list[subprocess.Popen], timeout: float = 45) -> None:
+    """SIGTERM every replica still running, then wait for each (a replica finishes its running
+    requests first); one that outlasts `timeout` is killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -485,14 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             watcher.stop()
         if balancer is not None:
             balancer.stop()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_replicas(procs)
     return 0
 
 
