@@ -213,6 +213,52 @@ def test_the_q8_0_head_laid_out_in_slices_is_the_head_laid_out_whole(dtype, monk
         assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
 
 
+def test_q4_dense_reads_back_the_q4_1_weights():
+    """caldrix::q4_dense unpacks q4_mm's layout into dense bfloat16 weights: each value
+    bfloat16(float32(d) * q + float32(m)), rounded once, as the GGUF's float32 dequantization
+    cast to bfloat16; every nibble (0 and 15 included) and every column of a group in place."""
+    if not q4.ours_built(torch.bfloat16):
+        pytest.skip("caldrix::q4_mm is not built on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    for n, k in ((16, 32), (48, 96), (576, 1536), (1536, 576)):
+        q = torch.randint(0, 16, (n, k), generator=gen)
+        q[0, 0], q[-1, -1] = 0, 15
+        d = (torch.randn(n, k // 32, generator=gen) * 0.02).half().float()
+        m = (torch.randn(n, k // 32, generator=gen) * 0.2).half().float()
+        want = (q.float() * d.repeat_interleave(32, dim=1) + m.repeat_interleave(32, dim=1)).bfloat16()
+        got = torch.ops.caldrix.q4_dense(*q4.q4_mm_layout(q, d, m))
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k)
+
+
+def test_long_prefill_chunks_take_the_dense_conversions_bits(smollm2_dir, models):
+    """Through caldrix's kernel a call of more than UNPACK_FROM_ROWS rows unpacks the blocks and
+    takes the dense matmul: every projection's unpacked weights are the dense bfloat16 model's
+    bits, so a long prefill chunk's hidden rows are the dense model's exactly; a decode-sized
+    call keeps q4_mm."""
+    dense32, quant = models
+    if not quant.int4_ours:
+        pytest.skip("caldrix::q4_mm is not built on this CPU")
+    for i, layer in enumerate(quant.layers):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            lin = getattr(layer, name)
+            want = getattr(dense32.layers[i], name).weight.bfloat16()
+            assert torch.equal(torch.ops.caldrix.q4_dense(lin.packed, lin.scale_zero), want), (i, name)
+    lin = quant.layers[3].w_down
+    x = torch.randn(q4.UNPACK_FROM_ROWS + 1, lin.in_features).bfloat16()
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, dense32.layers[3].w_down.weight.bfloat16()))
+    assert torch.equal(lin(x[:8]), q4.int4_mm(x[:8], lin.packed, lin.scale_zero, True))
+
+    dense = load_decoder(smollm2_dir, torch.bfloat16)
+    ids = torch.arange(1000, 1064)
+    hidden = []
+    for model in (dense, quant):
+        model.setup_rope(64)
+        kv = KVCache(model.cfg, 1, 64, torch.bfloat16, "cpu")
+        with torch.inference_mode():
+            hidden.append(model(ids, Attend("prefill", (0,), torch.arange(64), torch.arange(64)), kv))
+    assert torch.equal(*hidden)
+
+
 def test_q8_rows_reads_back_the_q8_0_weights():
     """caldrix::q8_rows gives rows of a Q8_0 matrix from the head's two 4-bit halves: each value
     bfloat16(float32(d) * q), rounded once, for ids in any order, repeated, first and last; an

@@ -85,6 +85,13 @@ def unpack_q8_0(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]
 # kernels take every call: at 128 rows as fast as the dense matmul (docs/performance-history.md).
 MAX_INT4_ROWS = 8
 
+# Rows per call from which a layer on caldrix::q4_mm (bfloat16) unpacks its blocks into dense
+# weights for the call (caldrix::q4_dense, the same bits as the dense conversion) and takes
+# oneDNN's matmul instead; only calls past `max_int4_rows` too, so decode steps never do.
+# Measured on 2 cores (AMX), SmolLM2: a 512-token prompt in 128-row chunks 0.81 s on q4_mm
+# against 0.30 s unpacked; unpacking a layer costs about as much as q4_mm's 20 rows.
+UNPACK_FROM_ROWS = 32
+
 
 def q4_mm_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q integers [N, K] in 0..15, d and m [N, K / GROUP] -> caldrix::q4_mm's operands (q4mm.cpp):
@@ -153,7 +160,10 @@ class Int4Linear(nn.Module):
     engine picks one kernel for all its layers (quantize_from_gguf): the two round differently.
     Calls of more than `max_int4_rows` rows (prefill chunks) use `dense`, the same weights
     dequantized, when one is given: quantize_from_gguf gives one only for torch's kernel, which
-    is slower than the dense matmul there."""
+    is slower than the dense matmul there. On caldrix's bfloat16 kernel such calls of more than
+    UNPACK_FROM_ROWS rows unpack the blocks for the call instead (caldrix::q4_dense: the dense
+    weights' bits, no copy held). Decode steps are never past `max_int4_rows`, so they always
+    take the 4-bit kernel."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None,
                  ours: bool = False, dtype: torch.dtype = torch.bfloat16):
@@ -175,8 +185,11 @@ class Int4Linear(nn.Module):
         self.group = GROUP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] > self.max_int4_rows:
-            return torch.nn.functional.linear(x, self.dense)
+        if x.shape[0] > self.max_int4_rows:
+            if self.dense is not None:
+                return torch.nn.functional.linear(x, self.dense)
+            if self.ours and x.dtype == torch.bfloat16 and x.shape[0] > UNPACK_FROM_ROWS:
+                return torch.nn.functional.linear(x, torch.ops.caldrix.q4_dense(self.packed, self.scale_zero))
         return int4_mm(x.contiguous(), self.packed, self.scale_zero, self.ours)
 
 

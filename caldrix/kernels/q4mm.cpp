@@ -39,6 +39,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -239,6 +240,69 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm
   return y;
 }
 
+// caldrix::q4_dense: the dense weights W [N, K] back from q4_mm's layout, in bfloat16, for
+// prefill chunks: at a hundred rows and more oneDNN's bfloat16 matmul (AMX where the CPU has it)
+// on weights unpacked for the call is several times faster than q4_mm, which is built for the
+// one-row read (models/q4.py, Int4Linear.forward, says which calls take it).
+//
+// Each value is bfloat16(d * q + m), rounded to nearest even: d * q is exact in float32 (an
+// 11-bit d times a 4-bit q), so the one rounding of the sum gives the bits of the GGUF's float32
+// dequantization (gguf-py: d * q, then + m) cast to bfloat16, the weights transformers and a
+// dense engine use (tests/test_int4.py checks every projection of the real model against them).
+// qw uint8 [N, K / 2], dm float16 [N / 16, K / 32, 2, 16] in q4_mm_layout's order.
+at::Tensor q4_dense(const at::Tensor& qw, const at::Tensor& dm) {
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 2 && qw.size(0) % COLS == 0,
+              "q4_dense: qw is a contiguous uint8 [N, K / 2], N a multiple of 16, in q4.py's column-group order");
+  const int64_t N = qw.size(0), K = 2 * qw.size(1), blocks = K / BLOCK;
+  TORCH_CHECK(K % BLOCK == 0 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == 2 * N * blocks,
+              "q4_dense: dm holds d and m, contiguous float16, 2 * N * K / 32 values in q4.py's order");
+  auto y = at::empty({N, K}, qw.options().dtype(at::kBFloat16));
+  auto* yp = reinterpret_cast<char*>(y.data_ptr<c10::BFloat16>());
+  const uint8_t* qp = qw.data_ptr<uint8_t>();
+  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  const int64_t stride = COLS * (K / 2), dstride = blocks * 2 * COLS;
+  // Lanes 2c and 2c + 1 of a widened step hold column c's two k's (see `group`): the columns'
+  // d and m spread to match, columns 0-7 in one vector and 8-15 in the other.
+  const __m512i pair_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
+  at::parallel_for(0, N / COLS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const uint8_t* qg = qp + gi * stride;
+      char* rows = yp + gi * COLS * K * 2;  // the group's 16 output rows, K bfloat16 each
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint16_t* dgb = dmp + gi * dstride + b * 2 * COLS;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dgb + COLS)));
+        const __m512 d0 = _mm512_permutexvar_ps(pair_lo, d), d1 = _mm512_permutexvar_ps(pair_hi, d);
+        const __m512 m0 = _mm512_permutexvar_ps(pair_lo, m), m1 = _mm512_permutexvar_ps(pair_hi, m);
+        for (int64_t k4 = 0; k4 < BLOCK / 4; ++k4) {
+          const int64_t k = b * BLOCK + 4 * k4;
+          const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + k * 8)));
+          const __m512i nib = _mm512_set1_epi16(0x0F);
+          const __m512i q01 = _mm512_and_si512(words, nib), q23 = _mm512_srli_epi16(words, 4);  // (k0, k1), (k2, k3)
+          auto value = [&](__m512i q, int half, __m512 dd, __m512 mm) {
+            const __m256i part = half ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
+            return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(part)), dd, mm);  // d q exact: one rounding
+          };
+          // dword c: column c's (k0, k1) in `lo`, its (k2, k3) in `hi`, as bfloat16
+          const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(value(q01, 1, d1, m1), value(q01, 0, d0, m0));
+          const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(value(q23, 1, d1, m1), value(q23, 0, d0, m0));
+          // qword j: column (j / 2) * 4 + j % 2 in `a`, that + 2 in `c`: its k0..k3
+          alignas(64) uint64_t a[8], c[8];
+          _mm512_store_si512(a, _mm512_unpacklo_epi32(lo, hi));
+          _mm512_store_si512(c, _mm512_unpackhi_epi32(lo, hi));
+          for (int j = 0; j < 8; ++j) {
+            const int64_t col = (j / 2) * 4 + j % 2;
+            std::memcpy(rows + (col * K + k) * 2, &a[j], 8);
+            std::memcpy(rows + ((col + 2) * K + k) * 2, &c[j], 8);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
 // caldrix::q8_rows: rows of a GGUF's Q8_0 matrix (w = d * q, q int8, 32 weights a block) read
 // back from the two 4-bit halves q4.Q8AsInt4Linear keeps for q4_mm: hi nibbles (q >> 4) + 8, lo
 // nibbles q & 15, the lo half's d the block's own. It serves a tied embedding from the head's
@@ -286,11 +350,13 @@ at::Tensor q8_rows(const at::Tensor& ids, const at::Tensor& hi_qw, const at::Ten
 TORCH_LIBRARY_FRAGMENT(caldrix, m) {
   m.def("q4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor");
   m.def("q8_rows(Tensor ids, Tensor hi_qw, Tensor lo_qw, Tensor lo_dm) -> Tensor");
+  m.def("q4_dense(Tensor qw, Tensor dm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(caldrix, CPU, m) {
   m.impl("q4_mm", q4_mm);
   m.impl("q8_rows", q8_rows);
+  m.impl("q4_dense", q4_dense);
 }
 
 #endif
