@@ -10,6 +10,7 @@ from typing import Callable
 import attrs
 
 from caldrix.config import FlagError, ServeConfig
+from caldrix.kernels.q4 import UNPACK_FROM_ROWS, unpacks_long_calls
 from caldrix.lanes import GPU_LANES, architecture_of, device_facts, device_line, lane_refusal, sampler_name
 from caldrix.sched.loop import Scheduler
 from caldrix.telemetry import Telemetry
@@ -75,6 +76,8 @@ class Runtime:
             weights += "; decode attention compiled"
         if getattr(self.engine, "int4_ours", False):
             weights += "; 4-bit matmuls compiled"
+            if self.dtype_name == "bfloat16" and unpacks_long_calls():
+                weights += f", prompt chunks past {UNPACK_FROM_ROWS} rows unpacked for AMX"
         say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")
         if getattr(self.engine, "overlap_lanes", False):

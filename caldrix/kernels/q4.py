@@ -87,10 +87,21 @@ MAX_INT4_ROWS = 8
 
 # Rows per call from which a layer on caldrix::q4_mm (bfloat16) unpacks its blocks into dense
 # weights for the call (caldrix::q4_dense, the same bits as the dense conversion) and takes
-# oneDNN's matmul instead; only calls past `max_int4_rows` too, so decode steps never do.
-# Measured on 2 cores (AMX), SmolLM2: a 512-token prompt in 128-row chunks 0.81 s on q4_mm
-# against 0.30 s unpacked; unpacking a layer costs about as much as q4_mm's 20 rows.
+# oneDNN's matmul instead, on CPUs with AMX only (`unpacks_long_calls`); only calls past
+# `max_int4_rows` too, so decode steps never do. Measured on 2 cores of a Xeon with AMX,
+# SmolLM2, a 512-token prompt in 128-row chunks: 0.81 s on q4_mm against 0.33 s unpacked (one
+# thread: 1.54 against 0.66 s). Without AMX (a Zen 4 EPYC, AVX512-BF16) the dense matmul was only
+# at par with q4_mm at 128 rows (docs/performance-history.md), so there unpacking would only
+# add its cost.
 UNPACK_FROM_ROWS = 32
+
+
+def unpacks_long_calls() -> bool:
+    """Whether Int4Linear layers on caldrix::q4_mm unpack their blocks for calls of many rows:
+    where oneDNN's bfloat16 matmul has AMX tiles. A property of the machine, fixed for the
+    process, so which kernel computes a prompt's rows never depends on timing."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe()) and torch.backends.mkldnn.is_available()
 
 
 def q4_mm_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,10 +171,10 @@ class Int4Linear(nn.Module):
     engine picks one kernel for all its layers (quantize_from_gguf): the two round differently.
     Calls of more than `max_int4_rows` rows (prefill chunks) use `dense`, the same weights
     dequantized, when one is given: quantize_from_gguf gives one only for torch's kernel, which
-    is slower than the dense matmul there. On caldrix's bfloat16 kernel such calls of more than
-    UNPACK_FROM_ROWS rows unpack the blocks for the call instead (caldrix::q4_dense: the dense
-    weights' bits, no copy held). Decode steps are never past `max_int4_rows`, so they always
-    take the 4-bit kernel."""
+    is slower than the dense matmul there. On caldrix's bfloat16 kernel, on a CPU with AMX, such
+    calls of more than UNPACK_FROM_ROWS rows unpack the blocks for the call instead
+    (caldrix::q4_dense: the dense weights' bits, no copy held). Decode steps are never past
+    `max_int4_rows`, so they always take the 4-bit kernel."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None,
                  ours: bool = False, dtype: torch.dtype = torch.bfloat16):
@@ -182,13 +193,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", scale_zero)
         self.dense = dense
         self.max_int4_rows = MAX_INT4_ROWS
+        # rows from which a call unpacks the blocks (UNPACK_FROM_ROWS), or None: never
+        self.unpack_rows = UNPACK_FROM_ROWS if ours and dtype == torch.bfloat16 and unpacks_long_calls() else None
         self.group = GROUP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_int4_rows:
             if self.dense is not None:
                 return torch.nn.functional.linear(x, self.dense)
-            if self.ours and x.dtype == torch.bfloat16 and x.shape[0] > UNPACK_FROM_ROWS:
+            if self.unpack_rows is not None and x.shape[0] > self.unpack_rows:
                 return torch.nn.functional.linear(x, torch.ops.caldrix.q4_dense(self.packed, self.scale_zero))
         return int4_mm(x.contiguous(), self.packed, self.scale_zero, self.ours)
 
