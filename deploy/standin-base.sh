@@ -44,7 +44,9 @@ Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 EOF
 
+# debootstrap took bookworm's release; the official image is rebuilt with its updates.
 chroot "$ROOTFS" apt-get update
+chroot "$ROOTFS" env DEBIAN_FRONTEND=noninteractive apt-get upgrade -y
 chroot "$ROOTFS" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
     python3 python3-pip python3-venv python-is-python3 ca-certificates
 chroot "$ROOTFS" apt-get clean
