@@ -68,6 +68,13 @@ def full_tile_positions(per_side: int) -> torch.Tensor:
     return (buckets[:, None] * per_side + buckets[None, :]).reshape(-1)
 
 
+# Tiles run through the encoder layers TILES_PER_PASS at a time. Measured on 2 cores (AMX,
+# bfloat16, packed): 13 tiles in one pass 3.14 s, in passes of 2 tiles 2.61 s, of 4 2.66 s,
+# one at a time 3.30 s. oneDNN ran the 768-wide outputs of 1024-row calls on one thread, and
+# the 13,312-row calls spill their 3072-wide activations out of the caches; 2048 rows avoid both.
+TILES_PER_PASS = 2
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: SiglipConfig):
         super().__init__()
@@ -125,9 +132,13 @@ class SiglipVisionTower(nn.Module):
             raise ValueError(f"the vision tower takes {S}x{S} tiles, got {tuple(pixels.shape[-2:])}")
         x = self.patch(pixels.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)  # [N, n, D]
         x = x + self.position(self.positions)
-        for layer in self.layers:
-            x = layer(x)
-        return self.post_norm(x)
+        passes = []
+        for i in range(0, x.shape[0], TILES_PER_PASS):  # tiles never see each other: any split is exact
+            h = x[i:i + TILES_PER_PASS]
+            for layer in self.layers:
+                h = layer(h)
+            passes.append(h)
+        return self.post_norm(torch.cat(passes))
 
 
 def siglip_state(take, prefix: str, cfg: SiglipConfig) -> dict[str, torch.Tensor]:
