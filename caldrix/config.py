@@ -28,7 +28,7 @@ class ServeConfig:
     # The server's sampling defaults; seed None draws fresh entropy per request.
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None
-    prefill_chunk: int = 128
+    prefill_chunk: int | None = None  # None: the engine's default (Engine.default_prefill_chunk)
     replay_ring: int = 256
     log_level: str = "info"
     graceful_timeout: float = 30.0

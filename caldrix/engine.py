@@ -35,8 +35,15 @@ from caldrix.sampler import greedy_batch, pick_run, plain_greedy
 log = logging.getLogger("caldrix")
 
 PARALLEL_PREFILL_TOKENS = 256  # prompt tokens in a step from which every core is used
+# --prefill-chunk's default: PREFILL_CHUNK, or PREFILL_CHUNK_AMX where an engine's prompt chunks
+# unpack 4-bit blocks for AMX matmuls and run beside decode steps (`default_prefill_chunk`).
+# Measured with bench/serve.py on the 2-core AMX Xeon, 128 / 256 / 512: 512-token TTFT 388 /
+# 290 / 244 ms, the newcomer beside four streams 786 / 557 / 518 ms, those streams' ITL p99
+# 50.8 / 48.1 / 48.7 ms. Elsewhere a chunk that runs between decode steps would stall them for
+# four times as long.
+PREFILL_CHUNK, PREFILL_CHUNK_AMX = 128, 512
 # check_lanes() probes a prefill chunk of the default --prefill-chunk and an uneven tail.
-LANE_PROBE_CHUNK, LANE_PROBE_TAIL = 128, 37
+LANE_PROBE_TAIL = 37
 
 
 def cpu_has_native_bf16() -> bool:
@@ -80,6 +87,8 @@ class Engine:
         self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (kernels/q4.py)
         self.q8_embed = False  # and the tied embedding read from them (llama_load.embed_from_head)
         self.int4_ours = False  # the 4-bit matmuls run caldrix's kernel (q4mm.cpp, q4mm_f32.cpp), not torch's
+        # Long prompt chunks unpack the 4-bit blocks for oneDNN's AMX matmul (kernels/q4.py).
+        self.unpacks_prompts = any(getattr(m, "unpack_rows", None) is not None for m in model.modules())
         self.can_verify = False  # set by check_verify(), which speculation runs once at start
         # Why a decode step and a prefill chunk may not run at once (None: they may), set by
         # check_lanes(), which Engine.load runs; an engine built otherwise runs one step at a time.
@@ -138,6 +147,11 @@ class Engine:
         return 1
 
     @property
+    def default_prefill_chunk(self) -> int:
+        """--prefill-chunk when the flag is not given (PREFILL_CHUNK_AMX says why two values)."""
+        return PREFILL_CHUNK_AMX if self.unpacks_prompts and self.overlap_lanes else PREFILL_CHUNK
+
+    @property
     def overlap_lanes(self) -> bool:
         """Whether a decode step and a prefill step may run at once, on one core each, in two
         threads (they touch disjoint slots; `_rows` and the KV cache are per slot): only where
@@ -170,7 +184,7 @@ class Engine:
         return why
 
     def _probe_threads(self) -> str | None:
-        n1 = min(LANE_PROBE_CHUNK, self.context // 2)
+        n1 = min(PREFILL_CHUNK_AMX if self.unpacks_prompts else PREFILL_CHUNK, self.context // 2)
         n2 = min(LANE_PROBE_TAIL, self.context - n1 - 1)
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, self.vocab_size, (n1 + n2 + 1,), generator=g)

@@ -120,7 +120,7 @@ def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | 
 def load_runtime(cfg: ServeConfig) -> Runtime:
     from caldrix.decider import config as dconfig
     from caldrix.decider.plan import Decider
-    from caldrix.engine import Engine, resolve_dtype
+    from caldrix.engine import PREFILL_CHUNK, Engine, resolve_dtype
     from caldrix.weights.source import resolve
     from caldrix.sched.policy import Policy
     from caldrix.sched.slots import SlotTable
@@ -148,6 +148,8 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     else:
         engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
                              int4_from=_int4_source(cfg, src.path, lane, dtype))
+    if cfg.prefill_chunk is None:
+        cfg = attrs.evolve(cfg, prefill_chunk=getattr(engine, "default_prefill_chunk", PREFILL_CHUNK))
     tokenizer = Tokenizer.load(src.path)
     identity: list[str] = []
     try:

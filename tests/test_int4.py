@@ -262,6 +262,44 @@ def test_long_prefill_chunks_take_the_dense_conversions_bits(smollm2_dir, models
     assert torch.equal(*hidden)
 
 
+def test_a_long_unpacked_call_gives_the_same_bits_on_one_thread_as_on_two(models):
+    """A 512-row chunk on unpacked weights is multiplied in pieces of UNPACKED_CALL_ROWS rows:
+    in one oneDNN call of 512 rows the sums split between two threads (other bits than on one,
+    which would make a reply depend on whether the lanes overlapped). Every projection, 1 against
+    2 threads, bit for bit; and the pieces are the rows' own results at 128 rows."""
+    _, quant = models
+    if not quant.layers[0].wqkv.unpack_rows:
+        pytest.skip("prompt chunks stay on the 4-bit kernel here (no AMX)")
+    saved = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            lin = getattr(quant.layers[2], name)
+            x = torch.randn(512, lin.in_features, generator=gen).bfloat16()
+            out = {}
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out[threads] = lin(x)
+            assert torch.equal(out[1], out[2]), name
+            assert torch.equal(out[2][128:256], lin(x[128:256])), name
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_the_default_prefill_chunk_follows_the_amx_prompt_path(smollm2_dir, gguf_file):
+    """--prefill-chunk's default: 512 where a 4-bit engine's prompt chunks unpack for AMX and its
+    lanes overlap (its start-up probe then ran a 512-row chunk on 1 and 2 threads), else 128."""
+    from caldrix.engine import PREFILL_CHUNK, PREFILL_CHUNK_AMX
+
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=1200, int4_from=gguf_file)
+    if engine.unpacks_prompts and engine.overlap_lanes:
+        assert engine.default_prefill_chunk == PREFILL_CHUNK_AMX == 512
+    else:
+        assert engine.default_prefill_chunk == PREFILL_CHUNK == 128
+    dense = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=256)
+    assert not dense.unpacks_prompts and dense.default_prefill_chunk == 128
+
+
 def test_q8_rows_reads_back_the_q8_0_weights():
     """caldrix::q8_rows gives rows of a Q8_0 matrix from the head's two 4-bit halves: each value
     bfloat16(float32(d) * q), rounded once, for ids in any order, repeated, first and last; an

@@ -94,6 +94,11 @@ MAX_INT4_ROWS = 8
 # at par with q4_mm at 128 rows (docs/performance-history.md), so there unpacking would only
 # add its cost.
 UNPACK_FROM_ROWS = 32
+# The most rows one matmul on unpacked weights takes; a longer chunk is multiplied in pieces of
+# this many, against one unpacking. oneDNN gave every row the same bits on one thread as on two
+# up to here, and not at 384 and 512 rows (it splits the sums between threads there), and the
+# engine's lanes rest on that (Engine.check_lanes probes a 128-row chunk).
+UNPACKED_CALL_ROWS = 128
 
 
 def unpacks_long_calls() -> bool:
@@ -202,7 +207,10 @@ class Int4Linear(nn.Module):
             if self.dense is not None:
                 return torch.nn.functional.linear(x, self.dense)
             if self.unpack_rows is not None and x.shape[0] > self.unpack_rows:
-                return torch.nn.functional.linear(x, torch.ops.caldrix.q4_dense(self.packed, self.scale_zero))
+                w = torch.ops.caldrix.q4_dense(self.packed, self.scale_zero)
+                if x.shape[0] <= UNPACKED_CALL_ROWS:
+                    return torch.nn.functional.linear(x, w)
+                return torch.cat([torch.nn.functional.linear(part, w) for part in x.split(UNPACKED_CALL_ROWS)])
         return int4_mm(x.contiguous(), self.packed, self.scale_zero, self.ours)
 
 
