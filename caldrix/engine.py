@@ -37,10 +37,10 @@ log = logging.getLogger("caldrix")
 PARALLEL_PREFILL_TOKENS = 256  # prompt tokens in a step from which every core is used
 # --prefill-chunk's default: PREFILL_CHUNK, or PREFILL_CHUNK_AMX where an engine's prompt chunks
 # unpack 4-bit blocks for AMX matmuls and run beside decode steps (`default_prefill_chunk`).
-# Measured with bench/serve.py on the 2-core AMX Xeon, 128 / 256 / 512: 512-token TTFT 388 /
-# 290 / 244 ms, the newcomer beside four streams 786 / 557 / 518 ms, those streams' ITL p99
-# 50.8 / 48.1 / 48.7 ms. Elsewhere a chunk that runs between decode steps would stall them for
-# four times as long.
+# Measured with bench/serve.py on the 2-core AMX Xeon, 128 against 512: 512-token TTFT 383 / 285
+# ms, the newcomer beside four streams 777 / 547 ms, those streams' ITL p99 47.9 / 46.7 ms; eight
+# short prompts at once wait longer for their first token (p50 187 / 260 ms, p99 190 / 292).
+# Elsewhere a chunk that runs between decode steps would stall them for four times as long.
 PREFILL_CHUNK, PREFILL_CHUNK_AMX = 128, 512
 # check_lanes() probes a prefill chunk of the default --prefill-chunk and an uneven tail.
 LANE_PROBE_TAIL = 37
