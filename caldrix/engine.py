@@ -38,8 +38,8 @@ PARALLEL_PREFILL_TOKENS = 256  # prompt tokens in a step from which every core i
 # --prefill-chunk's default: PREFILL_CHUNK, or PREFILL_CHUNK_AMX where an engine's prompt chunks
 # unpack 4-bit blocks for AMX matmuls and run beside decode steps (`default_prefill_chunk`).
 # Measured with bench/serve.py on the 2-core AMX Xeon, 128 against 512: 512-token TTFT 383 / 285
-# ms, the newcomer beside four streams 777 / 547 ms, those streams' ITL p99 47.9 / 46.7 ms; eight
-# short prompts at once wait longer for their first token (p50 187 / 260 ms, p99 190 / 292).
+# ms, the newcomer beside four streams 777 / 547 ms, those streams' ITL p99 47.9 / 46.7 ms (a
+# step packs short prompts up to PREFILL_CHUNK tokens all the same: runtime.load_runtime).
 # Elsewhere a chunk that runs between decode steps would stall them for four times as long.
 PREFILL_CHUNK, PREFILL_CHUNK_AMX = 128, 512
 # check_lanes() probes a prefill chunk of the default --prefill-chunk and an uneven tail.
