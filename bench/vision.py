@@ -14,8 +14,8 @@ Time to first token counts, on each side: decoding the PNG, the image processor,
 and tokenizing the prompt, the vision tower, the prompt pass and the first pick.
 - transformers: Idefics3Processor (its PIL image processor) then generate(max_new_tokens=1).
 - caldrix: caldrix/vision/preprocess.py, Idefics3.image_features, the prompt in `--chunk`-row
-  chunks (default 128, the server's --prefill-chunk) with the last token alone, as the engine
-  runs it.
+  chunks (default 128, the server's --prefill-chunk), the last token in the last chunk, as the
+  engine runs an image request.
 Each side runs in its own process (peak memory is that process's high-water mark over the
 case, reset before it through /proc/self/clear_refs, model included), warmed up with one
 untimed low case; the cases then run interleaved across the sides, `--rounds` times, and the
@@ -150,15 +150,14 @@ def child_caldrix(path: Path, dtype_name: str) -> None:
         ids, image_rows = torch.tensor(prompt.ids), torch.tensor(prompt.image_rows)
         with torch.inference_mode():
             feats = model.image_features(prepared.pixels)
-            n = len(ids) - 1
-            for s in range(0, n, chunk):
+            n = len(ids)
+            for s in range(0, n, chunk):  # the last row in the last chunk, as the policy runs an image request
                 e = min(s + chunk, n)
                 inside = (image_rows >= s) & (image_rows < e)
                 at = Attend("prefill", (0,), torch.arange(s, e), torch.arange(s, e),
                             embeds=feats[inside], embed_rows=image_rows[inside] - s)
-                model(ids[s:e], at, kv)
-            at = Attend("decode", (0,), torch.tensor([n]), torch.tensor([n]), (n + 1,), torch.tensor([0]))
-            first = int(model.logits(model(ids[n:], at, kv)).argmax(-1))
+                hidden = model(ids[s:e], at, kv)
+            first = int(model.logits(hidden[-1:]).argmax(-1))
         return time.perf_counter() - t, len(ids), first
 
     serve(ttft)

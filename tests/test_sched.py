@@ -58,6 +58,26 @@ def test_chunked_prefill_cuts_at_aligned_boundaries():
     assert seq.output == [5]
 
 
+def test_an_image_request_reads_its_first_token_in_its_last_chunk():
+    """An image request (reuse_prefix False) never reuses rows nor leaves any, so it has no
+    repeat to keep identical: its last prompt row rides in its last chunk, which picks the first
+    token, instead of a one-token pass of its own after it (a whole pass over the weights)."""
+    import attrs
+
+    policy = Policy(SlotTable(2), chunk=4, prefill_budget=4)
+    sub, _ = make_sub(range(10, 20))
+    seq = Sequence(attrs.evolve(sub, reuse_prefix=False))
+    policy.admit(seq)
+    starts = []
+    while seq.in_prefill:
+        work = policy.schedule_prefill()
+        (run,) = work.batch.runs
+        starts.append((run.start, len(run.token_ids), run.pick_at))
+        policy.postprocess(work, StepOutput((RunOutput((5,) if run.pick_at else ()),)))
+    assert starts == [(0, 4, ()), (4, 4, ()), (8, 2, (1,))]
+    assert seq.output == [5]
+
+
 def test_decode_and_prefill_are_separate_work():
     policy = Policy(SlotTable(3), chunk=4, prefill_budget=6)
     a, _ = make_sub([1, 3])

@@ -182,10 +182,11 @@ class Policy:
         # the engine computes in the decode form. A prompt whose other rows a slot still held
         # (SlotTable's reuse) recomputes only that token, so it gets the same bits, and the
         # same reply, as the prompt run fresh. A read-only prompt (a /v1/systemone probe) has
-        # no reply to keep identical: its last row is read in its last chunk, which spares a
-        # whole pass over the weights per question.
+        # no reply to keep identical, nor has an image request, which never reuses rows and
+        # leaves none behind: its last row is read in its last chunk, which spares a whole
+        # pass over the weights (per question; off an image request's first token).
         boundary = (start // self.chunk + 1) * self.chunk
-        if seq.sub.is_read_only:
+        if seq.sub.is_read_only or not seq.sub.reuse_prefix:
             end = min(len(prompt), boundary)
         else:
             end = len(prompt) if start == len(prompt) - 1 else min(len(prompt) - 1, boundary)
