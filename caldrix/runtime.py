@@ -10,7 +10,7 @@ from typing import Callable
 import attrs
 
 from caldrix.config import FlagError, ServeConfig
-from caldrix.kernels.q4 import UNPACK_FROM_ROWS, unpacks_long_calls
+from caldrix.kernels.q4 import UNPACK_FROM_ROWS
 from caldrix.lanes import GPU_LANES, architecture_of, device_facts, device_line, lane_refusal, sampler_name
 from caldrix.sched.loop import Scheduler
 from caldrix.telemetry import Telemetry
@@ -76,7 +76,7 @@ class Runtime:
             weights += "; decode attention compiled"
         if getattr(self.engine, "int4_ours", False):
             weights += "; 4-bit matmuls compiled"
-            if self.dtype_name == "bfloat16" and unpacks_long_calls():
+            if getattr(self.engine, "unpacks_prompts", False):
                 weights += f", prompt chunks past {UNPACK_FROM_ROWS} rows unpacked for AMX"
         say(f"caldrix: dtype {self.dtype_name}{weights}")
         say(f"caldrix: context {self.context} rows per sequence")

@@ -17,7 +17,7 @@
 // The products are exact in float32 (8-bit mantissas); d and m are the GGUF's float16 values,
 // widened to float32 exactly, and m - 128 d is one float32 rounding (an FMA; 128 d is exact).
 //
-// Layout (made by models/q4.py, q4_mm_layout): qw uint8 [N, K / 2] in groups of 16 columns, each
+// Layout (made by kernels/q4.py, q4_mm_layout): qw uint8 [N, K / 2] in groups of 16 columns, each
 // group 32 bytes per 4 k's (see `group`); dm float16 [N / 16, K / 32, 2, 16], per group and
 // block the 16 d's, then the 16 m's. x [T, K] bfloat16 contiguous, any T; K a multiple of 32,
 // N of 16. Returns [T, N] bfloat16.
@@ -243,7 +243,7 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm
 // caldrix::q4_dense: the dense weights W [N, K] back from q4_mm's layout, in bfloat16, for
 // prefill chunks: at a hundred rows and more oneDNN's bfloat16 matmul (AMX where the CPU has it)
 // on weights unpacked for the call is several times faster than q4_mm, which is built for the
-// one-row read (models/q4.py, Int4Linear.forward, says which calls take it).
+// one-row read (kernels/q4.py, Int4Linear.forward, says which calls take it).
 //
 // Each value is bfloat16(d * q + m), rounded to nearest even: d * q is exact in float32 (an
 // 11-bit d times a 4-bit q), so the one rounding of the sum gives the bits of the GGUF's float32
