@@ -231,3 +231,32 @@ def _rss_kib() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
+
+
+def test_packed_projections_give_the_plain_matmuls_bits(smollm2_dir):
+    """A dense bfloat16 engine on a CPU with oneDNN's bf16 support keeps its projections in
+    oneDNN's blocked layout (Decoder.pack): the same bits as nn.Linear's matmul, for a prompt
+    chunk and for decode steps of 1 and 8 rows."""
+    from caldrix.kernels.packed import PackedLinear, can_pack
+
+    if not can_pack(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN bfloat16 here: projections stay nn.Linear")
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=8, context=64)
+    assert isinstance(engine.model.layers[0].wqkv, PackedLinear)
+    plain, packed = load_decoder(smollm2_dir, torch.bfloat16), load_decoder(smollm2_dir, torch.bfloat16)
+    packed.pack()
+    assert all(isinstance(getattr(b, n), PackedLinear) for b in packed.layers for n in ("wqkv", "wo", "w_gate_up", "w_down"))
+    ids = torch.arange(3000, 3040)
+    out = []
+    for model in (plain, packed):
+        model.setup_rope(64)
+        kv = KVCache(model.cfg, 8, 64, torch.bfloat16, "cpu")
+        with torch.inference_mode():
+            rows = [model(ids[:32], Attend("prefill", (s,), torch.arange(32), torch.arange(32)), kv) for s in range(8)]
+            for n in (1, 8):
+                slots = tuple(range(n))
+                at = Attend("decode", slots, torch.full((n,), 32), torch.full((n,), 32), (33,) * n, torch.arange(n))
+                rows.append(model(ids[32:32 + n], at, kv))
+        out.append(rows)
+    for a, b in zip(*out):
+        assert torch.equal(a, b)

@@ -199,4 +199,5 @@ def load_idefics3(path: Path, dtype: torch.dtype, device="cpu") -> Idefics3:
     model = model.to(device).eval().requires_grad_(False)
     if can_pack(dtype, device):
         model.vision.pack()  # the tower's matmuls are most of an image's time to first token
+        model.text.pack()
     return model

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from caldrix.kernels import native, scripted
+from caldrix.kernels.packed import can_pack
 from caldrix.kernels.q4 import (
     Q4_1,
     Q8_0,
@@ -55,6 +56,8 @@ def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path
         skip = dense_not_kept(int4_from, cfg.num_layers, dtype, tied=cfg.tie_embeddings)
     model = load_decoder(path, dtype, device, skip=skip)
     if int4_from is None:
+        if can_pack(dtype, device):
+            model.pack()
         return Loaded(model)
     layers = quantize_from_gguf(model, int4_from)
     ours = bool(getattr(model, "int4_ours", False)) and layers > 0
