@@ -134,6 +134,9 @@ def child_caldrix(path: Path, dtype_name: str) -> None:
 
     dtype = resolve_dtype(dtype_name, "cpu")
     model = load_idefics3(path, dtype)
+    from caldrix.runtime import release_freed_heap
+
+    release_freed_heap()  # as the server does once loaded: loading's freed heap back to the OS
     tok = AutoTokenizer.from_pretrained(path)
     tokens = pp.ImageTokens.lookup(tok.convert_tokens_to_ids)
     rows = 8192

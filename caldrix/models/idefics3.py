@@ -194,6 +194,7 @@ def load_idefics3(path: Path, dtype: torch.dtype, device="cpu") -> Idefics3:
     with torch.device("meta"):
         model = Idefics3(cfg)
     missing, unexpected = model.load_state_dict(ours, strict=False, assign=True)
+    del ours  # the model holds the weights now: packing below frees each one as it replaces it
     if missing or unexpected:
         raise RuntimeError(f"loading {path}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
     model = model.to(device).eval().requires_grad_(False)
