@@ -2,7 +2,10 @@
 
 Why one file of over 400 lines: the step, its two start-up probes (check_lanes, check_verify)
 and the per-slot bookkeeping (snapshots, embeddings, draft runs) all read and write the same
-private state (`_rows`, `_snapshots`, the state tensors), which one owner keeps consistent.
+private state (`_rows`, `_snapshots`, the state tensors), which one owner keeps consistent. The
+default prompt chunk lives here too, because check_lanes must probe the chunk size it picks.
+The next cut, if the file grows: the probes into a module of their own, which needs `_decode`
+and `_decode_logits` made public for them.
 
 Contract: `step` blocks for one forward pass and must be called from one thread at a time (the
 scheduler runs it in a worker thread through a limiter of one). It never touches trio, routes or
@@ -14,8 +17,9 @@ different result with a different row count, so a dense engine pads every decode
 4-bit engine runs only the active rows (both guarded by tests/test_engine.py and
 tests/test_int4.py batch-invariance tests). Attention runs per slot over exactly that slot's rows, and each prefill chunk is its own
 forward pass. Where a call may take either the 4-bit or the dense kernel (torch's int4 kernel
-keeps dense weights for prefill chunks; caldrix's takes every call), the choice depends on its
-row count against `max_batch`, a property of the engine, never on how many requests are running.
+keeps dense weights for prefill chunks; caldrix's unpacks its blocks for long chunks on CPUs
+with AMX, kernels/q4.py), the choice depends on its row count against fixed numbers and on the
+CPU, never on how many requests are running.
 """
 
 from __future__ import annotations

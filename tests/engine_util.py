@@ -93,3 +93,13 @@ def hf_greedy(model, ids: tuple[int, ...], n: int) -> list[int]:
     return out
 
 
+def prefill(model, ids: torch.Tensor, *, slots: int = 1, rows: int = 64, dtype=torch.bfloat16):
+    """A model-level prompt pass: `ids` prefilled as one chunk into each of `slots` fresh slots
+    of a new KVCache of `rows` rows. Returns ([hidden [T, D] per slot], the cache)."""
+    from caldrix.models.base import Attend, KVCache
+
+    model.setup_rope(rows)
+    kv = KVCache(model.cfg, slots, rows, dtype, "cpu")
+    at = torch.arange(len(ids))
+    with torch.inference_mode():
+        return [model(ids, Attend("prefill", (s,), at, at), kv) for s in range(slots)], kv

@@ -12,7 +12,7 @@ import trio
 from caldrix.engine import Engine, resolve_dtype
 from caldrix.models.base import Attend, KVCache
 from caldrix.models.llama_load import load_decoder
-from engine_util import generate, generate_in_turn, hf_greedy
+from engine_util import generate, generate_in_turn, hf_greedy, prefill
 
 PROMPTS = [
     "The capital of France is",
@@ -249,10 +249,8 @@ def test_packed_projections_give_the_plain_matmuls_bits(smollm2_dir):
     ids = torch.arange(3000, 3040)
     out = []
     for model in (plain, packed):
-        model.setup_rope(64)
-        kv = KVCache(model.cfg, 8, 64, torch.bfloat16, "cpu")
+        rows, kv = prefill(model, ids[:32], slots=8)
         with torch.inference_mode():
-            rows = [model(ids[:32], Attend("prefill", (s,), torch.arange(32), torch.arange(32)), kv) for s in range(8)]
             for n in (1, 8):
                 slots = tuple(range(n))
                 at = Attend("decode", slots, torch.full((n,), 32), torch.full((n,), 32), (33,) * n, torch.arange(n))

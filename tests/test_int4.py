@@ -13,7 +13,7 @@ from caldrix.models import llama_load
 from caldrix.models.base import Attend, KVCache
 from caldrix.models.llama_load import load_decoder
 from caldrix.weights.gguf import source_gguf
-from engine_util import generate, generate_in_turn
+from engine_util import generate, generate_in_turn, prefill
 
 pytestmark = pytest.mark.skipif(not q4.available(), reason="this torch has no int4 CPU matmul")
 
@@ -253,13 +253,9 @@ def test_long_prefill_chunks_take_the_dense_conversions_bits(smollm2_dir, models
 
     dense = load_decoder(smollm2_dir, torch.bfloat16)
     ids = torch.arange(1000, 1064)
-    hidden = []
-    for model in (dense, quant):
-        model.setup_rope(64)
-        kv = KVCache(model.cfg, 1, 64, torch.bfloat16, "cpu")
-        with torch.inference_mode():
-            hidden.append(model(ids, Attend("prefill", (0,), torch.arange(64), torch.arange(64)), kv))
-    assert torch.equal(*hidden)
+    (dense_rows,), _ = prefill(dense, ids)
+    (quant_rows,), _ = prefill(quant, ids)
+    assert torch.equal(dense_rows, quant_rows)
 
 
 def test_a_long_unpacked_call_gives_the_same_bits_on_one_thread_as_on_two(models):
@@ -289,13 +285,11 @@ def test_a_long_unpacked_call_gives_the_same_bits_on_one_thread_as_on_two(models
 def test_the_default_prefill_chunk_follows_the_amx_prompt_path(smollm2_dir, gguf_file):
     """--prefill-chunk's default: 512 where a 4-bit engine's prompt chunks unpack for AMX and its
     lanes overlap (its start-up probe then ran a 512-row chunk on 1 and 2 threads), else 128."""
-    from caldrix.engine import PREFILL_CHUNK, PREFILL_CHUNK_AMX
-
     engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=1200, int4_from=gguf_file)
-    if engine.unpacks_prompts and engine.overlap_lanes:
-        assert engine.default_prefill_chunk == PREFILL_CHUNK_AMX == 512
-    else:
-        assert engine.default_prefill_chunk == PREFILL_CHUNK == 128
+    amx = q4.unpacks_long_calls() and engine.int4_ours and torch.get_num_threads() >= 2
+    if amx:  # the probe's 512-row chunk must pass: unpacked calls run in 128-row pieces
+        assert engine.unpacks_prompts and engine.lanes_why is None, engine.lanes_why
+    assert engine.default_prefill_chunk == (512 if amx else 128)
     dense = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=256)
     assert not dense.unpacks_prompts and dense.default_prefill_chunk == 128
 
