@@ -344,3 +344,49 @@ def test_shutdown_cutoff_waits_for_a_chunk_in_flight():
             await tx.aclose()
 
     trio.run(main)
+
+
+class HeldPrefillEngine(FakeEngine):
+    """Overlapping lanes; every prefill step waits in its thread until `release` is set."""
+
+    overlap_lanes = True
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.in_prefill = threading.Event()
+
+    def step(self, batch: Batch) -> StepOutput:
+        if any(len(r.token_ids) > 1 for r in batch.runs):
+            self.in_prefill.set()
+            assert self.release.wait(10), "the test never released the prefill step"
+        return super().step(batch)
+
+
+def test_submissions_are_admitted_while_a_chunk_runs_with_nothing_decoding():
+    """With a chunk in flight and nothing decoding, the loop still takes submissions while slots
+    are free: a request channel one deep, left undrained for the whole chunk, would refuse the
+    next request (a 429) with three slots free."""
+
+    async def main():
+        engine = HeldPrefillEngine()
+        sched = Scheduler(engine, Policy(SlotTable(4), chunk=4, prefill_budget=4))
+        tx, rx = trio.open_memory_channel(1)
+        subs = [make_sub(range(10 * i + 10, 10 * i + 18), max_tokens=2, rid=n, stop=frozenset()) for i, n in enumerate("abc")]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run, rx)
+            tx.send_nowait(subs[0][0])
+            with trio.fail_after(10):
+                while not engine.in_prefill.is_set():
+                    await trio.sleep(0.005)
+                tx.send_nowait(subs[1][0])  # a's chunk is held: nothing decodes
+                while tx.statistics().current_buffer_used:
+                    await trio.sleep(0.005)
+            tx.send_nowait(subs[2][0])  # the channel has room again: b was admitted
+            engine.release.set()
+            with trio.fail_after(10):
+                for _, events in subs:
+                    assert len([e async for e in events]) == 2
+            await tx.aclose()
+
+    trio.run(main)

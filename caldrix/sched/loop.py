@@ -161,7 +161,7 @@ class Scheduler:
                         await trio.lowlevel.checkpoint()
                     continue
                 if work is None:
-                    got = await landed_rx.receive()  # nothing to decode: wait for the chunk
+                    got = await self._chunk_or_admit(landed_rx, requests)  # nothing to decode
                 else:
                     try:
                         got = landed_rx.receive_nowait()
@@ -169,6 +169,34 @@ class Scheduler:
                         continue  # still running: decode on beside it
                 if not self._land(got, requests):
                     return
+
+    async def _chunk_or_admit(self, landed_rx: trio.MemoryReceiveChannel[Landed],
+                              requests: trio.MemoryReceiveChannel[Submission]) -> Landed:
+        """Wait for the chunk in flight, admitting submissions meanwhile while slots are free:
+        the request channel is --queue-depth deep, and left undrained for a long chunk it
+        refused newcomers (429) with slots free. Neither receive consumes anything when the
+        other wins and cancels it; if both finish, both are kept."""
+        while self.policy.can_admit:
+            got: list[Landed] = []
+            async with trio.open_nursery() as race:
+
+                async def chunk() -> None:
+                    got.append(await landed_rx.receive())
+                    race.cancel_scope.cancel()
+
+                async def request() -> None:
+                    try:
+                        sub = await requests.receive()
+                    except trio.EndOfChannel:
+                        await trio.sleep_forever()  # stopping: only the chunk is left to wait for
+                    self._admit(sub)
+                    race.cancel_scope.cancel()
+
+                race.start_soon(chunk)
+                race.start_soon(request)
+            if got:
+                return got[0]
+        return await landed_rx.receive()
 
     async def _next(self, requests: trio.MemoryReceiveChannel[Submission]) -> Submission:
         """The next submission, waited for while nothing runs. While a lease is live, look up
