@@ -390,3 +390,54 @@ def test_submissions_are_admitted_while_a_chunk_runs_with_nothing_decoding():
             await tx.aclose()
 
     trio.run(main)
+
+
+class HeldDecodeEngine(FakeEngine):
+    """Lanes that never overlap; every step past an 8-token prompt (a decode step) waits in its
+    thread until `release` is set."""
+
+    overlap_lanes = False
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.in_decode = threading.Event()
+
+    def step(self, batch: Batch) -> StepOutput:
+        if all(len(r.token_ids) == 1 and r.start >= 8 for r in batch.runs):
+            self.in_decode.set()
+            assert self.release.wait(10), "the test never released the decode step"
+        return super().step(batch)
+
+
+def test_submissions_are_admitted_while_a_decode_step_runs():
+    """A decode step in flight does not stop admission either: with a request channel one deep
+    and three slots free, two requests sent during one long step both get slots (the second
+    send finds room), and every stream completes."""
+
+    async def main():
+        engine = HeldDecodeEngine()
+        sched = Scheduler(engine, Policy(SlotTable(4), chunk=4, prefill_budget=4))
+        tx, rx = trio.open_memory_channel(1)
+        subs = [make_sub(range(10 * i + 10, 10 * i + 18), max_tokens=3, rid=n, stop=frozenset()) for i, n in enumerate("abc")]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run, rx)
+            tx.send_nowait(subs[0][0])
+            with trio.fail_after(10):
+                while not engine.in_decode.is_set():
+                    await trio.sleep(0.005)
+                tx.send_nowait(subs[1][0])  # a's decode step is held
+                while tx.statistics().current_buffer_used:
+                    await trio.sleep(0.005)
+            tx.send_nowait(subs[2][0])  # the channel has room again: b was admitted mid-step
+            with trio.fail_after(10):
+                while tx.statistics().current_buffer_used:
+                    await trio.sleep(0.005)
+            assert sched.policy.slots.num_free == 1  # a, b and c hold slots; the step still runs
+            engine.release.set()
+            with trio.fail_after(10):
+                for _, events in subs:
+                    assert len([e async for e in events]) == 3
+            await tx.aclose()
+
+    trio.run(main)

@@ -2,8 +2,9 @@
 (runners.py, threads.py); everything else in sched/ is synchronous.
 
 Admission and backpressure: the scheduler takes a submission off the request channel only when a
-slot is free for it, so the channel's buffer (--queue-depth) is exactly the queue of requests
-waiting beyond those running, and a route whose `send_nowait` finds it full answers 429.
+slot is free for it, and whenever one is (also while a step runs: `_admitting`), so the channel's
+buffer (--queue-depth) is exactly the queue of requests waiting beyond those running, and a
+route whose `send_nowait` finds it full answers 429.
 
 Two lanes: decode steps are awaited inline; a prompt chunk runs as a task of the scheduler's own
 nursery (`_prefill_lane`) and hands its output back on a channel of one. The loop applies both
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol, TypeVar
 
 import attrs
 import trio
@@ -26,6 +27,7 @@ from caldrix.sched.sequence import Sequence, Status
 from caldrix.sched.runners import DecodeLane, PrefillLane
 
 log = logging.getLogger("caldrix")
+T = TypeVar("T")
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -151,8 +153,8 @@ class Scheduler:
                         self._in_flight = work
                         lanes.start_soon(self._prefill_lane, work, threads, landed_tx)
                 if self._in_flight is not None and not self.overlap:
-                    if not self._land(await landed_rx.receive(), requests):  # one step at a time
-                        return
+                    if not self._land(await self._admitting(landed_rx.receive, requests), requests):
+                        return  # one step at a time
                 work = self.policy.schedule_decode()
                 if work is not None and not await self._decode(work, requests):
                     return
@@ -161,7 +163,7 @@ class Scheduler:
                         await trio.lowlevel.checkpoint()
                     continue
                 if work is None:
-                    got = await self._chunk_or_admit(landed_rx, requests)  # nothing to decode
+                    got = await self._admitting(landed_rx.receive, requests)  # nothing to decode
                 else:
                     try:
                         got = landed_rx.receive_nowait()
@@ -170,33 +172,35 @@ class Scheduler:
                 if not self._land(got, requests):
                     return
 
-    async def _chunk_or_admit(self, landed_rx: trio.MemoryReceiveChannel[Landed],
-                              requests: trio.MemoryReceiveChannel[Submission]) -> Landed:
-        """Wait for the chunk in flight, admitting submissions meanwhile while slots are free:
-        the request channel is --queue-depth deep, and left undrained for a long chunk it
-        refused newcomers (429) with slots free. Neither receive consumes anything when the
-        other wins and cancels it; if both finish, both are kept."""
-        while self.policy.can_admit:
-            got: list[Landed] = []
-            async with trio.open_nursery() as race:
+    async def _admitting(self, wait: Callable[[], Awaitable[T]], requests: trio.MemoryReceiveChannel[Submission]) -> T:
+        """Await `wait()` (a step, or a chunk landing) and take submissions meanwhile while slots
+        are free: the request channel is --queue-depth deep, and left undrained for a whole step
+        it refused newcomers (429) with slots free. Only the admitting side is ever cancelled
+        here, at its receive, which then consumes nothing; `wait()` runs to its end.
 
-                async def chunk() -> None:
-                    got.append(await landed_rx.receive())
-                    race.cancel_scope.cancel()
+        Safe beside a step in flight: admission gives a sequence a free slot, and a free slot is
+        in no batch, so the step's thread never touches what admission writes."""
+        if not self.policy.can_admit:
+            return await wait()
+        async with trio.open_nursery() as beside:
 
-                async def request() -> None:
+            async def admit() -> None:
+                while self.policy.can_admit:
                     try:
                         sub = await requests.receive()
                     except trio.EndOfChannel:
-                        await trio.sleep_forever()  # stopping: only the chunk is left to wait for
+                        return  # stopping: only `wait` is left
                     self._admit(sub)
-                    race.cancel_scope.cancel()
 
-                race.start_soon(chunk)
-                race.start_soon(request)
-            if got:
-                return got[0]
-        return await landed_rx.receive()
+            beside.start_soon(admit)
+            try:  # raised in the nursery's body, an error would come out wrapped in a group
+                got, error = await wait(), None
+            except Exception as exc:
+                got, error = None, exc
+            beside.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return got
 
     async def _next(self, requests: trio.MemoryReceiveChannel[Submission]) -> Submission:
         """The next submission, waited for while nothing runs. While a lease is live, look up
@@ -234,7 +238,7 @@ class Scheduler:
         alone = self._in_flight is None
         t0 = time.monotonic()
         try:
-            out = await self.run_step(self.engine.step, batch)
+            out = await self._admitting(lambda: self.run_step(self.engine.step, batch), requests)
         except Exception as exc:
             self._fail(exc, requests)  # a chunk still in flight is waited for by the nursery
             return False
