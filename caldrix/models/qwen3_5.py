@@ -231,12 +231,15 @@ class LinearAttention(nn.Module):
             o, s = gated_delta.chunked(q, k, v, g.t().contiguous(), beta.t().contiguous(), rec_state[slot])
             rec_state[slot] = s
             o = o.transpose(0, 1)  # [T, nv, dv]
-        # gated RMSNorm, with transformers' casts: norm in float32, weight in the model dtype,
-        # the silu gate in float32
-        o = o.to(x.dtype).float()
+        # gated RMSNorm, with transformers' casts: the rule's output rounded to the model dtype,
+        # norm in float32, weight in the model dtype, the silu gate in float32. Every operand is
+        # made contiguous [T, nv, dv] in its first copy: on the strided views (the prefill's
+        # head-major output, z's columns of the fused projection) each pass ran several times
+        # slower and rms_norm fell back to its unfused form.
+        o = dense(o, x.dtype).float()
         o = self.norm * F.rms_norm(o, (dv,), eps=cfg.rms_norm_eps).to(x.dtype)
-        o = (o * F.silu(z.view(T, nv, dv).float())).to(x.dtype)
-        return self.out(o.reshape(T, nv * dv))
+        gate = F.silu(dense(z.view(T, nv, dv), torch.float32))
+        return self.out(gate.mul_(o).to(x.dtype).view(T, nv * dv))
 
 
 class Layer(nn.Module):
