@@ -20,7 +20,11 @@ as passed / failed / error (an exception, e.g. the engine's GPU wiring that is s
      of the layers' weights (a quarter of all weights is below what cannot stream for this
      shape: the embedding alone is 21%), against the same model wholly on the device: identical
      greedy tokens, and the device's weight bytes.
-  5. throughput: decode tokens/s at 1 and 8 streams, the caldrix engine (bf16) beside
+  5. engine_weight_budget: the same budget through the engine's own path (Engine.load with
+     weight_budget, as `caldrix serve --backend cuda --weight-budget` runs it) against the
+     engine with every weight on the device: identical greedy tokens at max-batch 4, and the
+     peak device memory of each.
+  6. throughput: decode tokens/s at 1 and 8 streams, the caldrix engine (bf16) beside
      transformers' generate() (bf16, greedy) on the same GPU.
 
 Writes gpu_check.json and gpu_check.md to --out. Exit status: 0 all passed, 1 some check
@@ -215,6 +219,32 @@ def check_streaming(path: Path):
                                             "device_bytes_measured_at_rest": on_device, "tokens_equal": ok}
 
 
+def check_engine_streaming(path: Path):
+    """The engine's own --weight-budget path (Engine.load(weight_budget=...), what the cuda lane
+    runs): a quarter of the layers' weights plus what never streams, against the engine with
+    every weight on the device; the peak device memory of each."""
+    from caldrix.engine import Engine
+    from caldrix.weight_budget import sizes_of_model
+
+    fixed, layers = sizes_of_model(path, 2)  # bfloat16
+    budget = fixed + 2 * max(layers) + sum(layers) // 4
+    ps = prompts(4)
+    torch.cuda.reset_peak_memory_stats()
+    whole = Engine.load(path, dtype=torch.bfloat16, max_batch=4, context=128, device="cuda")
+    want = engine_greedy(whole, ps, NEW, True)
+    peak_whole = torch.cuda.max_memory_allocated()
+    del whole
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    engine = Engine.load(path, dtype=torch.bfloat16, max_batch=4, context=128, device="cuda", weight_budget=budget)
+    got = engine_greedy(engine, ps, NEW, True)
+    ok = got == want
+    return ("passed" if ok else "failed"), {"plan": engine.weight_plan.line(), "budget": budget,
+                                            "peak_device_bytes_whole": peak_whole,
+                                            "peak_device_bytes_streamed": torch.cuda.max_memory_allocated(),
+                                            "tokens_equal": ok}
+
+
 def check_throughput(path: Path):
     from transformers import LlamaForCausalLM
 
@@ -275,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         run_check(rep, "device_pick_reproducible", check_device_pick)
         run_check(rep, "weight_budget_streaming", lambda: check_streaming(path))
         run_check(rep, "engine_greedy_parity", lambda: check_parity(path))
+        run_check(rep, "engine_weight_budget", lambda: check_engine_streaming(path))
         run_check(rep, "engine_batch_invariance", lambda: check_batch_invariance(path))
         run_check(rep, "throughput", lambda: check_throughput(path))
     bad = [c["name"] for c in rep.data["checks"] if c["status"] in ("failed", "error")]

@@ -34,7 +34,9 @@ import torch
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models import loader
 from caldrix.models.base import Attend, Loaded, Snapshot
+from caldrix.device_pick import device_pick
 from caldrix.sampler import greedy_batch, pick_run, plain_greedy
+from caldrix.weight_budget import stream_layers
 
 log = logging.getLogger("caldrix")
 
@@ -113,6 +115,12 @@ class Engine:
         self._snapshots: dict[int, tuple[Snapshot | None, tuple[int, ...]]] = {}  # None: spoiled
         # --speculate draft: the draft model's proposer (draft.py), set by the runtime.
         self.drafter = None
+        # --weight-budget: the plan of which layers stream (weight_budget.WeightPlan), or None
+        self.weight_plan = None
+        # Sampled tokens through the device pick (device_pick.py: the AMD lane batched, with
+        # --sampler device), all of a step's in one call; else the CPU pick. Set by the runtime
+        # where lanes.uses_device_pick says so; greedy rows take the arg-max either way.
+        self.picks_on_device = False
 
     @property
     def kv(self):
@@ -121,19 +129,26 @@ class Engine:
 
     @classmethod
     def load(cls, path: Path, *, dtype: torch.dtype, max_batch: int, context: int | None, device: str = "cpu",
-             int4_from: Path | None = None) -> "Engine":
+             int4_from: Path | None = None, weight_budget: int | None = None) -> "Engine":
         """Load a Hugging Face directory through its architecture's loader (models/__init__.py).
         `int4_from`: the GGUF the directory was converted from; its Q4_1 projections then stay
-        4-bit (the CPU only: bfloat16, or float32 where caldrix::q4_mm_f32 is built)."""
+        4-bit (the CPU only: bfloat16, or float32 where caldrix::q4_mm_f32 is built).
+        `weight_budget`: at most that many bytes of weights on `device`, the other decoder
+        layers streamed from host memory each pass (weight_budget.stream_layers; the model is
+        loaded on the CPU unpacked first); BudgetError if the budget cannot hold a plan."""
+        stream = weight_budget is not None
         # Up to a verify pass's rows, whatever --speculate says, so a prompt of a few tokens
         # takes the same kernels with speculation or without.
-        got: Loaded = loader(path)(path, dtype=dtype, device=device, int4_from=int4_from, max_batch=max_batch,
-                                   int4_rows=max(max_batch, 1 + MAX_DRAFT_TOKENS))
+        got: Loaded = loader(path)(path, dtype=dtype, device="cpu" if stream else device, int4_from=int4_from,
+                                   max_batch=max_batch, int4_rows=max(max_batch, 1 + MAX_DRAFT_TOKENS),
+                                   pack=not stream)
         model = got.model
+        weight_plan = stream_layers(model, weight_budget, device) if stream else None
         ctx = min(getattr(model.cfg, "max_positions", 8192), 8192) if context is None else context
         engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=got.row_count_dependent)
         engine.int4_layers, engine.int4_head, engine.q8_embed = got.int4_layers, got.int4_head, got.q8_embed
         engine.int4_ours, engine.scripted_rows, engine.scripted_pass = got.int4_ours, got.scripted_rows, got.scripted_pass
+        engine.weight_plan = weight_plan
         engine.check_lanes()
         return engine
 
@@ -250,7 +265,8 @@ class Engine:
         why = None
         try:
             torch.set_num_threads(self.threads_for(0))
-            self.model(torch.tensor(prompt), Attend("prefill", (0,), torch.arange(start), torch.arange(start)), self.state)
+            at = torch.arange(start, device=self.device)
+            self.model(torch.tensor(prompt, device=self.device), Attend("prefill", (0,), at, at), self.state)
             one = torch.cat([self._decode_logits([Run(0, start + i, (t,), (0,))])[0] for i, t in enumerate(rows)])
             # The thread counts a decode step gets: the engine's, and one where the lanes overlap.
             for threads in sorted({self.threads_for(0)} | ({1} if self.overlap_lanes else set())):
@@ -291,6 +307,7 @@ class Engine:
 
         picked: dict[int, list[int]] = {}  # id(run) -> tokens
         reads: dict[int, list[float]] = {}
+        sampled: list[tuple[Run, torch.Tensor]] = []  # runs not picked yet, with their rows' logits
         if decode:
             logits, top = self._decode_logits(decode)  # [rows, V]: the runs' rows in order, then padding
             first = [0]  # first[i]: decode[i]'s first row
@@ -311,13 +328,12 @@ class Engine:
                 reads[id(r)] = logits[last, list(r.read_ids)].tolist() if r.read_ids else []
             for i, r in enumerate(decode):
                 if r.pick_at and id(r) not in picked:
-                    at = [first[i] + o for o in r.pick_at]
-                    picked[id(r)], reads[id(r)] = pick_run(r, logits[at], self._rows[r.slot])
+                    sampled.append((r, logits[[first[i] + o for o in r.pick_at]]))
         for r in prefill:
             embeds, embed_rows = self._embeds([r])
-            at = Attend("prefill", (r.slot,), torch.arange(r.start, r.end), torch.arange(r.start, r.end),
-                        embeds=embeds, embed_rows=embed_rows)
-            hidden = self.model(torch.tensor(r.token_ids), at, self.state)
+            rows = torch.arange(r.start, r.end, device=self.device)
+            at = Attend("prefill", (r.slot,), rows, rows, embeds=embeds, embed_rows=embed_rows)
+            hidden = self.model(torch.tensor(r.token_ids, device=self.device), at, self.state)
             # A probe's few label logits, not the whole head (248k rows for Qwen3.5), where the
             # model can give them (read_logits; None where it keeps no plain head rows).
             reader = getattr(self.model, "read_logits", None) if r.read_only and r.read_ids else None
@@ -325,8 +341,8 @@ class Engine:
             if got is not None:
                 picked[id(r)], reads[id(r)] = [], got.tolist()
             elif r.pick_at:
-                logits = self.model.logits(hidden[list(r.pick_at)])
-                picked[id(r)], reads[id(r)] = pick_run(r, logits, self._rows[r.slot])
+                sampled.append((r, self.model.logits(hidden[list(r.pick_at)])))
+        self._pick(sampled, picked, reads)
         for r in batch.runs:
             if r.snapshot:
                 assert not r.verify, "a verify run's rows past its kept guesses are thrown away: no snapshot"
@@ -334,6 +350,33 @@ class Engine:
         return StepOutput(
             tuple(RunOutput(tuple(picked.get(id(r), ())), tuple(reads.get(id(r), ()))) for r in batch.runs)
         )
+
+    def _pick(self, sampled: list[tuple[Run, torch.Tensor]], picked: dict, reads: dict) -> None:
+        """The tokens of `sampled` runs (each with its rows' fp32 logits [len(pick_at), V]) into
+        `picked` and their read logits into `reads`, by id(run). The CPU pick (sampler.pick_run)
+        run by run, on host copies of the logits; or, with picks_on_device, every sampled row
+        of the step in one device pick (device_pick.py) on the logits where they are, plain
+        greedy runs still by arg-max (the two picks agree there)."""
+        batched = []
+        for r, logits in sampled:
+            if self.picks_on_device and not plain_greedy(r):
+                batched.append((r, logits))
+            else:
+                picked[id(r)], reads[id(r)] = pick_run(r, logits.cpu(), self._rows[r.slot])
+        if not batched:
+            return
+        params, seen, draws = [], [], []
+        for r, _ in batched:
+            for i, offset in enumerate(r.pick_at):
+                params.append(r.sampling)
+                # the same history as the CPU pick's penalty: prompt and reply up to this row
+                seen.append(torch.tensor(self._rows[r.slot][: r.start + offset + 1]).unique()
+                            if r.sampling.repetition_penalty != 1.0 else None)
+                draws.append(r.draw_index + i)
+        tokens = iter(device_pick(torch.cat([logits for _, logits in batched]), params, seen, draws))
+        for r, logits in batched:
+            picked[id(r)] = [next(tokens) for _ in r.pick_at]
+            reads[id(r)] = logits[-1, list(r.read_ids)].tolist() if r.read_ids else []
 
     def _step_drafted(self, batch: Batch) -> StepOutput:
         """A step with draft runs: the draft model proposes each one's guesses, then the step
@@ -361,10 +404,11 @@ class Engine:
         positions = [p for r in runs for p in range(r.start, r.end)]
         slots = tuple(r.slot for r in runs for _ in r.token_ids) + (self.max_batch,) * pad  # padding rows: the scratch slot
         lengths = tuple(p + 1 for p in positions) + (0,) * pad
-        pos = torch.tensor(positions + [0] * pad)
+        pos = torch.tensor(positions + [0] * pad, device=self.device)
         embeds, embed_rows = self._embeds(runs) if any(r.embeds for r in runs) else (None, None)
-        at = Attend("decode", slots, pos, pos, lengths, torch.tensor(slots), self.native_attend, embeds, embed_rows)
-        return torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad), at
+        at = Attend("decode", slots, pos, pos, lengths, torch.tensor(slots, device=self.device), self.native_attend,
+                    embeds, embed_rows)
+        return torch.tensor([t for r in runs for t in r.token_ids] + [0] * pad, device=self.device), at
 
     def _embeds(self, runs: list[Run]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The input embeddings `runs` name (Run.embeds), packed as a pass packs the runs' rows
@@ -375,7 +419,7 @@ class Engine:
                 lo, hi = max(e.start, r.start), min(e.start + e.count, r.end)
                 if lo < hi:
                     parts.append(self.embeddings[e.key][lo - e.start : hi - e.start])
-                    where.append(torch.arange(base + lo - r.start, base + hi - r.start))
+                    where.append(torch.arange(base + lo - r.start, base + hi - r.start, device=self.device))
             base += len(r.token_ids)
         if not parts:
             return None, None
@@ -384,7 +428,7 @@ class Engine:
     def put_embeddings(self, key: int, rows: torch.Tensor) -> None:
         """Hold input embeddings [N, D] for runs to name by `key` (Run.embeds, EmbedSpan.key)."""
         assert rows.dim() == 2 and key, "rows [N, D] under a nonzero key"
-        self.embeddings[key] = rows.to(self.dtype)
+        self.embeddings[key] = rows.to(device=self.device, dtype=self.dtype)
 
     @property
     def takes_images(self) -> bool:

@@ -11,7 +11,8 @@ import attrs
 
 from caldrix.config import FlagError, ServeConfig
 from caldrix.kernels.q4 import UNPACK_FROM_ROWS
-from caldrix.lanes import GPU_LANES, architecture_of, device_facts, device_line, lane_refusal, sampler_name
+from caldrix.lanes import (GPU_LANES, architecture_of, device_facts, device_line, lane_refusal, sampler_name,
+                           uses_device_pick)
 from caldrix.sched.loop import Scheduler
 from caldrix.telemetry import Telemetry
 
@@ -44,8 +45,8 @@ class Runtime:
                                 max_batch=self.cfg.max_batch, prefill_chunk=self.cfg.prefill_chunk,
                                 context=getattr(self.engine, "context", None),
                                 vocab_size=getattr(self.engine, "vocab_size", None),
-                                # what picks, not what was asked: an engine that makes the device
-                                # pick says so (picks_on_device); until then every pick is the CPU's
+                                # what picks, not what was asked: only an engine that makes the
+                                # device pick (picks_on_device) records "device"
                                 sampler=sampler_name(self.lane, self.cfg.max_batch, self.cfg.sampler)
                                 if getattr(self.engine, "picks_on_device", False) else "cpu")
 
@@ -79,6 +80,9 @@ class Runtime:
             if getattr(self.engine, "unpacks_prompts", False):
                 weights += f", prompt chunks past {UNPACK_FROM_ROWS} rows unpacked for AMX"
         say(f"caldrix: dtype {self.dtype_name}{weights}")
+        plan = getattr(self.engine, "weight_plan", None)
+        if plan is not None:
+            say(plan.line())
         say(f"caldrix: context {self.context} rows per sequence")
         if getattr(self.engine, "overlap_lanes", False):
             lanes = "beside decode steps, one core each"
@@ -103,6 +107,10 @@ class Runtime:
             length = f"{spec.draft_tokens} guesses" if spec.draft_tokens else "guesses tuned live"
             how = f"draft {self.cfg.draft}" if spec.mode == "draft" else f"ngram {spec.min_n}:{spec.max_n}"
             say(f"caldrix: speculation {how}, {length}, for greedy requests")
+
+
+# The torch device each lane's engine runs on: ROCm torch presents an AMD GPU as "cuda".
+LANE_DEVICES = {"cpu": "cpu", "host": "cpu", "cuda": "cuda", "hip": "cuda"}
 
 
 def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | None:
@@ -133,21 +141,27 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     decider_cfg = dconfig.load(found) if found is not None else None
     lane = pick_lane(cfg.backend)
     refused = lane_refusal(architecture_of(src.path), lane)
-    if refused is None and cfg.weight_budget is not None:
-        from caldrix.weight_budget import not_wired
-
-        refused = not_wired(cfg.weight_budget, src.path)
     if refused is not None:
         raise FlagError(refused)
-    device = {"cpu": "cpu", "host": "cpu", "cuda": "cuda", "hip": "cuda"}[lane]
+    device = LANE_DEVICES[lane]
     dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.weight_budget is not None:
+        from caldrix.weight_budget import budget_refusal
+
+        # before loading, from the files' headers: a budget no plan fits exits 2 at once
+        refused = budget_refusal(cfg.weight_budget, src.path, dtype.itemsize)
+        if refused is not None:
+            raise FlagError(refused)
     if lane == "host":
         from caldrix.host_engine import HostEngine
 
         engine = HostEngine(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context)
     else:
         engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
-                             int4_from=_int4_source(cfg, src.path, lane, dtype))
+                             int4_from=_int4_source(cfg, src.path, lane, dtype), weight_budget=cfg.weight_budget)
+    if lane != "host":
+        # the AMD lane's batched pick (http-api.md "Sampling"); the telemetry names it from this
+        engine.picks_on_device = uses_device_pick(lane, cfg.max_batch, cfg.sampler)
     if cfg.prefill_chunk is None:
         cfg = attrs.evolve(cfg, prefill_chunk=getattr(engine, "default_prefill_chunk", PREFILL_CHUNK))
     tokenizer = Tokenizer.load(src.path)

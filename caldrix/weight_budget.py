@@ -16,6 +16,11 @@ pass copies it into a slot on a side stream (`torch.cuda.Stream`), the compute s
 that copy's event, and the next copy into a slot waits on the event recorded when the compute
 that read the slot's previous layer was queued. The CUDA calls sit behind a small `ops` object so
 the scheduling logic runs with fakes on the CPU (tests/test_lanes_gpu_cpu.py).
+
+Wiring (`stream_layers`, called by Engine.load): the model is loaded on the CPU, planned on its own
+parameters, its streamed layers packed and hooked (`attach`), the rest moved to the device. The
+runtime checks the budget first against the files' headers (`budget_refusal`), before loading.
+On a CPU "device" (a GPU lane simulated in the tests) `HostOps` stands in for the CUDA calls.
 """
 
 from __future__ import annotations
@@ -136,15 +141,26 @@ def plan(budget: int, fixed: int, layers: Sequence[int]) -> WeightPlan:
         f"{best.slot_bytes if best else 0} bytes beside them; give at least {need} bytes")
 
 
-def sizes_of_model(model_dir: Path) -> tuple[int, tuple[int, ...]]:
+_STORED_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def sizes_of_model(model_dir: Path, itemsize: int | None = None) -> tuple[int, tuple[int, ...]]:
     """split_sizes of a model directory's *.safetensors, read from their headers (nothing loaded).
-    Bytes are as stored; a model cast to another dtype at load scales them by the ratio."""
+    Bytes are as stored, or with `itemsize` as floating-point tensors cast to a dtype of that
+    many bytes would take (a float32 file loaded in bfloat16 halves)."""
     named: list[tuple[str, int]] = []
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        named += [(k, v["data_offsets"][1] - v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"]
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            size = v["data_offsets"][1] - v["data_offsets"][0]
+            stored = _STORED_ITEMSIZE.get(v.get("dtype", ""), 0)
+            if itemsize and stored and v["dtype"].startswith(("F", "BF")):
+                size = size // stored * itemsize
+            named.append((k, size))
     return split_sizes((k, _Sized(n)) for k, n in named)
 
 
@@ -161,17 +177,17 @@ class _Sized:
         return 1
 
 
-def not_wired(budget: int, model_dir: Path) -> str:
-    """What load_runtime refuses --weight-budget with until the engine streams layers (the seam
-    refactor; docs/serve.md "Lanes"): the plan's own refusal when the budget is too small, else
-    a message that streaming is not wired yet, naming the plan it would run."""
-    fixed, layers = sizes_of_model(model_dir)
+def budget_refusal(budget: int, model_dir: Path, itemsize: int) -> str | None:
+    """Checked before loading (refuse before paying): the plan's refusal for a budget too small
+    for the model's weights as they will be on the device, `itemsize` bytes a value (the stored
+    sizes scaled from each tensor's own dtype, read from the safetensors headers); None if a
+    plan fits. The engine plans again on the loaded weights (stream_layers)."""
+    fixed, layers = sizes_of_model(model_dir, itemsize)
     try:
-        p = plan(budget, fixed, layers)
+        plan(budget, fixed, layers)
     except BudgetError as exc:
         return str(exc)
-    return (f"--weight-budget: this build plans the budget ({len(p.streamed)} of {len(layers)} layers would stream) "
-            f"but its engine does not stream layers yet; run without --weight-budget")
+    return None
 
 
 def speculation_refusal(weight_budget: int | None) -> str | None:
@@ -332,3 +348,42 @@ def attach(blocks: Sequence[torch.nn.Module], streamer: LayerStreamer, device) -
         handles.append(blocks[i].register_forward_pre_hook(pre(i)))
         handles.append(blocks[i].register_forward_hook(post(i)))
     return handles
+
+
+class HostOps:
+    """The streamer's calls where the engine's device is the CPU (a GPU lane simulated, as the
+    tests do): the "device" buffers are plain memory, copies happen at once, nothing to wait on."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, after) -> None:
+        dst.copy_(src)
+
+    def wait(self, event) -> None:
+        pass
+
+    def mark(self) -> None:
+        return None
+
+
+def stream_layers(model: torch.nn.Module, budget: int, device) -> WeightPlan:
+    """Keep at most `budget` bytes of `model`'s weights on `device`: plan over its own
+    parameters, pack the streamed decoder layers (`model.layers`, run in index order once a
+    pass) into host buffers, hook them to their slots, and move everything else to `device`.
+    The model must still be on the CPU, so the streamed layers never reach the device whole.
+    BudgetError if no plan fits. The streamer lives on as `model.streamer`."""
+    fixed, layers = split_sizes(model.named_parameters())
+    p = plan(budget, fixed, layers)
+    ops = CudaOps(torch.device(device)) if torch.device(device).type == "cuda" else HostOps(device)
+    streamer = LayerStreamer(p, lambda i: dict(model.layers[i].named_parameters()), ops)
+    attach(model.layers, streamer, device)  # the streamed layers' own parameters are emptied
+    model.to(device)
+    model.streamer = streamer
+    return p

@@ -143,6 +143,71 @@ def test_debug_requests_name_the_sampler():
         assert next(tel.trace())["sampler"] == name
 
 
+# --- the engine's device pick ------------------------------------------------------------
+
+
+DEVICE_PICKED = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=5),
+                 SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.3, seed=9),
+                 SamplingParams()]  # greedy: the arg-max, on either pick
+
+
+def test_the_engine_makes_the_device_pick_where_told(smollm2_dir, monkeypatch):
+    """With picks_on_device every sampled token of a step comes from one device_pick call (on
+    CPU tensors here, as on a GPU's), each the token an independent float32 reference picks
+    from the same logits; seeded replies repeat, and a reply is the same alone as beside
+    others. Greedy rows never reach it."""
+    import caldrix.engine
+    from caldrix.engine import Engine
+    from caldrix.sampler import draw_uniform
+    from engine_util import generate
+    from test_device_pick import Tight, ref_pick
+
+    engine = Engine.load(smollm2_dir, dtype=torch.float32, max_batch=3, context=128)
+    engine.picks_on_device = True
+    calls: list[tuple] = []
+    real = caldrix.engine.device_pick
+
+    def recorded(logits, params, seen_ids, draws):
+        got = real(logits, params, seen_ids, draws)
+        calls.append((logits.clone(), list(params), list(seen_ids), list(draws), got))
+        return got
+
+    monkeypatch.setattr(caldrix.engine, "device_pick", recorded)
+    prompts = [(1, 504, 3458, 314, 1017), (1, 504, 2386, 29, 14), (1, 378, 2051)]
+    together = generate(engine, prompts, 6, together=True, sampling=DEVICE_PICKED)
+    assert len(calls) >= 6 and sum(len(c[1]) for c in calls) == 12  # two sampled replies, 6 tokens each
+    assert all(not p.is_greedy for c in calls for p in c[1])
+    checked = 0
+    for logits, params, seen_ids, draws, got in calls:
+        for row, p, seen, n, token in zip(logits, params, seen_ids, draws, got):
+            try:
+                want = ref_pick(row.numpy(), p, set() if seen is None else set(seen.tolist()), draw_uniform(p.seed, n))
+            except Tight:
+                continue
+            assert token == want
+            checked += 1
+    assert checked >= 8
+    assert generate(engine, prompts, 6, together=True, sampling=DEVICE_PICKED) == together
+    assert generate(engine, prompts, 6, together=False, sampling=DEVICE_PICKED) == together
+    engine.picks_on_device = False
+    calls.clear()
+    cpu = generate(engine, prompts, 6, together=True, sampling=DEVICE_PICKED)
+    assert not calls and cpu[2] == together[2]
+
+
+@pytest.mark.parametrize("max_batch, sampler, picks", [(2, "device", True), (2, "host", False), (1, "device", False)])
+def test_the_runtime_gives_the_amd_lane_the_device_pick(smollm2_dir, monkeypatch, max_batch, sampler, picks):
+    # The AMD lane simulated: its engine on the CPU. The device pick only batched and with
+    # --sampler device; /debug/requests names the pick that runs.
+    import caldrix.runtime as runtime
+
+    monkeypatch.setitem(runtime.LANE_DEVICES, "hip", "cpu")
+    rt = runtime.load_runtime(ServeConfig(model=str(smollm2_dir), backend="hip", dtype="float32", context=128,
+                                          max_batch=max_batch, sampler=sampler))
+    assert rt.engine.picks_on_device is picks
+    assert rt.telemetry.sampler == ("device" if picks else "cpu")
+
+
 # --- --weight-budget ---------------------------------------------------------------------
 
 
@@ -223,12 +288,14 @@ def test_weight_budget_at_start(tmp_path):
     from safetensors.torch import save_file
 
     from caldrix.runtime import resolve_speculation
-    from caldrix.weight_budget import not_wired
+    from caldrix.weight_budget import budget_refusal
 
     t = {"embed.weight": torch.zeros(100), **{f"layers.{i}.w": torch.zeros(25) for i in range(4)}}
     save_file(t, str(tmp_path / "model.safetensors"))
-    assert "give at least 600 bytes" in not_wired(599, tmp_path)
-    assert "(3 of 4 layers would stream)" in not_wired(700, tmp_path)
+    assert "give at least 600 bytes" in budget_refusal(599, tmp_path, 4)
+    assert budget_refusal(600, tmp_path, 4) is None
+    # the same float32 file loaded in bfloat16 takes half: the least budget halves too
+    assert "give at least 300 bytes" in budget_refusal(299, tmp_path, 2)
     cfg = ServeConfig(speculate="auto", weight_budget=10**9)
     spec, notes = resolve_speculation(cfg, "cuda", object())
     assert spec is None and "speculation is not run with it" in notes[-1]
@@ -334,6 +401,57 @@ def test_streamed_transformers_model_gives_the_same_greedy_tokens():
 
 
 # --- bench/gpu_check.py ------------------------------------------------------------------
+
+
+def test_the_engine_streams_its_layers_within_the_budget(smollm2_dir):
+    """--weight-budget wired into the engine, its "device" the CPU (weight_budget.HostOps): the
+    plan is made on the loaded weights, the streamed layers hold no weights of their own outside
+    a pass, and greedy replies, alone and batched, are the whole model's token for token."""
+    from caldrix.engine import Engine
+    from engine_util import generate
+
+    whole = Engine.load(smollm2_dir, dtype=torch.float32, max_batch=2, context=128)
+    fixed, layers = split_sizes(whole.model.named_parameters())
+    budget = fixed + sum(layers) // 4 + 2 * max(layers)
+    engine = Engine.load(smollm2_dir, dtype=torch.float32, max_batch=2, context=128, weight_budget=budget)
+    p = engine.weight_plan
+    assert p.device_bytes <= budget and len(p.streamed) >= len(layers) // 2 and p.slots == 2
+    # a streamed layer's parameters are views into the two slot buffers (or empty before its
+    # first pass), never storage of their own
+    slots = {buf.untyped_storage().data_ptr() for buf in engine.model.streamer.slots}
+    assert all(prm.numel() == 0 or prm.untyped_storage().data_ptr() in slots
+               for i in p.streamed for prm in engine.model.layers[i].parameters())
+    assert f"{len(layers) - len(p.streamed)} of {len(layers)} layers stay on the device" in p.line()
+    prompts = [(1, 504, 3458, 314, 1017), (1, 378, 2051)]
+    want = generate(whole, prompts, 8, together=True)
+    assert generate(engine, prompts, 8, together=True) == want
+    assert generate(engine, prompts, 8, together=False) == want
+    with pytest.raises(BudgetError, match="give at least"):
+        Engine.load(smollm2_dir, dtype=torch.float32, max_batch=1, context=64, weight_budget=fixed)
+
+
+def test_the_runtime_streams_on_a_gpu_lane_and_says_so(smollm2_dir, monkeypatch):
+    # A GPU lane simulated on the CPU: the budget reaches the engine, the start-up lines name the
+    # plan, and a budget no plan fits exits 2 before anything is loaded.
+    import caldrix.runtime as runtime
+
+    monkeypatch.setitem(runtime.LANE_DEVICES, "cuda", "cpu")
+    monkeypatch.setattr(runtime, "device_facts", lambda: ("a simulated GPU", 2**34))
+    cfg = ServeConfig(model=str(smollm2_dir), backend="cuda", dtype="float32", context=64, weight_budget=300 * 2**20)
+    rt = runtime.load_runtime(cfg)
+    lines: list[str] = []
+    rt.announce(lines.append)
+    assert rt.engine.weight_plan is not None and rt.engine.weight_plan.line() in lines
+    import attrs
+
+    import caldrix.engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded before the budget was checked")
+
+    monkeypatch.setattr(caldrix.engine.Engine, "load", no_load)
+    with pytest.raises(FlagError, match="--weight-budget.*give at least"):
+        runtime.load_runtime(attrs.evolve(cfg, weight_budget=10**6))
 
 
 def test_gpu_check_exits_clearly_without_a_gpu(tmp_path):

@@ -3,7 +3,9 @@ caldrix/weights/, the compiled kernels caldrix/kernels/.
 
 A new architecture adds its file and one line to ARCHITECTURES: config.json's model_type ->
 the "module:function" that loads it, `load(path, *, dtype, device, int4_from, max_batch,
-int4_rows) -> base.Loaded`. Nothing is imported until a model of that type is loaded.
+int4_rows, pack) -> base.Loaded` (`pack`: whether CPU matmul weights may be reordered for oneDNN;
+off where the engine streams layers, which must see every weight as a parameter). Nothing is
+imported until a model of that type is loaded.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from caldrix.weights.tensor_files import TensorFiles
 
 
 def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path | None = None,
-         max_batch: int = 1, int4_rows: int = 8) -> Loaded:
+         max_batch: int = 1, int4_rows: int = 8, pack: bool = True) -> Loaded:
     """A Decoder from the Hugging Face directory `path`. `int4_from`: the GGUF the directory was
     converted from; its Q4_1 projections then stay 4-bit (the CPU only: bfloat16, or float32
     where caldrix::q4_mm_f32 is built). `int4_rows`: calls of up to this many rows take the 4-bit
@@ -56,7 +56,7 @@ def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path
         skip = dense_not_kept(int4_from, cfg.num_layers, dtype, tied=cfg.tie_embeddings)
     model = load_decoder(path, dtype, device, skip=skip)
     if int4_from is None:
-        if can_pack(dtype, device):
+        if pack and can_pack(dtype, device):
             model.pack()
         return Loaded(model)
     layers = quantize_from_gguf(model, int4_from)

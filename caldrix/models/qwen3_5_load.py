@@ -14,16 +14,16 @@ from caldrix.models.qwen3_5 import Qwen35, Qwen35Config
 
 
 def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path | None = None,
-         max_batch: int = 1, int4_rows: int = 8) -> Loaded:
+         max_batch: int = 1, int4_rows: int = 8, pack: bool = True) -> Loaded:
     """A Qwen35 from the Hugging Face directory `path`, dense in `dtype`. GGUF 4-bit weights are
     a llama-family path only; `max_batch` and `int4_rows` choose nothing here."""
     if int4_from is not None:
         raise ValueError("qwen3_5: GGUF weights are not supported for this architecture; serve its "
                          "Hugging Face directory (safetensors)")
-    return Loaded(load_qwen35(Path(path), dtype, device))
+    return Loaded(load_qwen35(Path(path), dtype, device, pack=pack))
 
 
-def load_qwen35(path: Path, dtype: torch.dtype, device="cpu") -> Qwen35:
+def load_qwen35(path: Path, dtype: torch.dtype, device="cpu", pack: bool = True) -> Qwen35:
     """A Qwen35 from a Hugging Face directory (config.json and *.safetensors), in `dtype`.
 
     Weights are read one at a time (weights/tensor_files.py) under `model.language_model.`
@@ -84,6 +84,6 @@ def load_qwen35(path: Path, dtype: torch.dtype, device="cpu") -> Qwen35:
     if missing or unexpected:
         raise RuntimeError(f"loading {path}: unexpected weights {sorted(unexpected)[:3]}, missing {sorted(missing)[:3]}")
     model = model.to(device).eval().requires_grad_(False)
-    if can_pack(dtype, device):
+    if pack and can_pack(dtype, device):
         model.pack()
     return model
