@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 import trio.testing
 
@@ -346,77 +347,43 @@ def test_shutdown_cutoff_waits_for_a_chunk_in_flight():
     trio.run(main)
 
 
-class HeldPrefillEngine(FakeEngine):
-    """Overlapping lanes; every prefill step waits in its thread until `release` is set."""
+class HeldEngine(FakeEngine):
+    """Every step that `held(batch)` picks waits in its thread until `release` is set."""
 
-    overlap_lanes = True
-
-    def __init__(self):
+    def __init__(self, held, overlap_lanes: bool):
         super().__init__()
+        self.held, self.overlap_lanes = held, overlap_lanes
         self.release = threading.Event()
-        self.in_prefill = threading.Event()
+        self.holding = threading.Event()
 
     def step(self, batch: Batch) -> StepOutput:
-        if any(len(r.token_ids) > 1 for r in batch.runs):
-            self.in_prefill.set()
-            assert self.release.wait(10), "the test never released the prefill step"
+        if self.held(batch):
+            self.holding.set()
+            assert self.release.wait(10), "the test never released the step"
         return super().step(batch)
 
 
-def test_submissions_are_admitted_while_a_chunk_runs_with_nothing_decoding():
-    """With a chunk in flight and nothing decoding, the loop still takes submissions while slots
-    are free: a request channel one deep, left undrained for the whole chunk, would refuse the
-    next request (a 429) with three slots free."""
+def _a_chunk(batch: Batch) -> bool:
+    return any(len(r.token_ids) > 1 for r in batch.runs)
+
+
+def _a_decode_step(batch: Batch) -> bool:  # past the test's 8-token prompts
+    return all(len(r.token_ids) == 1 and r.start >= 8 for r in batch.runs)
+
+
+@pytest.mark.parametrize("held, overlap", [(_a_chunk, True), (_a_chunk, False), (_a_decode_step, False),
+                                           (_a_decode_step, True)],
+                         ids=["chunk-lanes-overlap", "chunk-one-step-at-a-time", "decode-one-step-at-a-time",
+                              "decode-lanes-overlap"])
+def test_submissions_are_admitted_while_a_step_runs(held, overlap):
+    """While any step is in flight (a prompt chunk with nothing decoding, or a decode step, on
+    either loop path) the loop still takes submissions while slots are free: a request channel
+    one deep, left undrained for the whole step, refused the next request (a 429) with slots
+    free. Two requests sent during one held step both get slots (the second send finds room),
+    and every stream completes."""
 
     async def main():
-        engine = HeldPrefillEngine()
-        sched = Scheduler(engine, Policy(SlotTable(4), chunk=4, prefill_budget=4))
-        tx, rx = trio.open_memory_channel(1)
-        subs = [make_sub(range(10 * i + 10, 10 * i + 18), max_tokens=2, rid=n, stop=frozenset()) for i, n in enumerate("abc")]
-        async with trio.open_nursery() as nursery:
-            await nursery.start(sched.run, rx)
-            tx.send_nowait(subs[0][0])
-            with trio.fail_after(10):
-                while not engine.in_prefill.is_set():
-                    await trio.sleep(0.005)
-                tx.send_nowait(subs[1][0])  # a's chunk is held: nothing decodes
-                while tx.statistics().current_buffer_used:
-                    await trio.sleep(0.005)
-            tx.send_nowait(subs[2][0])  # the channel has room again: b was admitted
-            engine.release.set()
-            with trio.fail_after(10):
-                for _, events in subs:
-                    assert len([e async for e in events]) == 2
-            await tx.aclose()
-
-    trio.run(main)
-
-
-class HeldDecodeEngine(FakeEngine):
-    """Lanes that never overlap; every step past an 8-token prompt (a decode step) waits in its
-    thread until `release` is set."""
-
-    overlap_lanes = False
-
-    def __init__(self):
-        super().__init__()
-        self.release = threading.Event()
-        self.in_decode = threading.Event()
-
-    def step(self, batch: Batch) -> StepOutput:
-        if all(len(r.token_ids) == 1 and r.start >= 8 for r in batch.runs):
-            self.in_decode.set()
-            assert self.release.wait(10), "the test never released the decode step"
-        return super().step(batch)
-
-
-def test_submissions_are_admitted_while_a_decode_step_runs():
-    """A decode step in flight does not stop admission either: with a request channel one deep
-    and three slots free, two requests sent during one long step both get slots (the second
-    send finds room), and every stream completes."""
-
-    async def main():
-        engine = HeldDecodeEngine()
+        engine = HeldEngine(held, overlap)
         sched = Scheduler(engine, Policy(SlotTable(4), chunk=4, prefill_budget=4))
         tx, rx = trio.open_memory_channel(1)
         subs = [make_sub(range(10 * i + 10, 10 * i + 18), max_tokens=3, rid=n, stop=frozenset()) for i, n in enumerate("abc")]
@@ -424,13 +391,12 @@ def test_submissions_are_admitted_while_a_decode_step_runs():
             await nursery.start(sched.run, rx)
             tx.send_nowait(subs[0][0])
             with trio.fail_after(10):
-                while not engine.in_decode.is_set():
+                while not engine.holding.is_set():
                     await trio.sleep(0.005)
-                tx.send_nowait(subs[1][0])  # a's decode step is held
+                tx.send_nowait(subs[1][0])  # a's step is held
                 while tx.statistics().current_buffer_used:
                     await trio.sleep(0.005)
-            tx.send_nowait(subs[2][0])  # the channel has room again: b was admitted mid-step
-            with trio.fail_after(10):
+                tx.send_nowait(subs[2][0])  # the channel has room again: b was admitted mid-step
                 while tx.statistics().current_buffer_used:
                     await trio.sleep(0.005)
             assert sched.policy.slots.num_free == 1  # a, b and c hold slots; the step still runs
