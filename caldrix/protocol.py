@@ -17,6 +17,17 @@ if TYPE_CHECKING:  # trio is only needed for the annotation
     import trio
 
 
+# A top_k at or past every vocabulary keeps every token, as 0 does (both picks cut at
+# min(top_k, V)); such values are stored as 0, so a request's record and the device pick's int64
+# tensors never meet an integer past 64 bits (`"top_k": 1e30` as an integer literal is valid).
+# Token ids are 32-bit in every tokenizer, so no vocabulary reaches this.
+TOP_K_KEEPS_ALL = 2**31
+
+
+def _top_k(k: int) -> int:
+    return 0 if k >= TOP_K_KEEPS_ALL else k
+
+
 @attrs.frozen
 class SamplingParams:
     """The six knobs of http-api.md "Sampling", resolved against the server's defaults.
@@ -26,7 +37,7 @@ class SamplingParams:
     """
 
     temperature: float = 0.0
-    top_k: int = 0  # 0 keeps every token
+    top_k: int = attrs.field(default=0, converter=_top_k)  # 0 keeps every token
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0

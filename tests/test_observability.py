@@ -354,6 +354,23 @@ def test_debug_requests_carry_settings_never_text(http, model, server):
     assert http.get("/debug/requests", params={"last": "0"}).status_code == 400
 
 
+def test_a_top_k_past_64_bits_keeps_every_token_and_the_records_readable(http, model):
+    # A valid integer literal of any size (http-api.md: "an integer >= 0"): past every vocabulary
+    # it keeps every token, as 0 does, the same reply for the same seed, and it is recorded as 0.
+    # Recorded as sent, it broke /debug/requests and /debug/trace for the whole ring (a 500 from
+    # JSON's 64-bit limit), which schemathesis found.
+    ask = {"model": model, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 1.0, "seed": 7}
+    huge = http.post("/v1/completions", content=json.dumps({**ask, "top_k": 10**30}).encode(),
+                     headers={"Content-Type": "application/json"})
+    plain = http.post("/v1/completions", json={**ask, "top_k": 0})
+    assert huge.status_code == 200 and plain.status_code == 200, huge.text
+    assert huge.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    body = http.get("/debug/requests", params={"last": 2})
+    assert body.status_code == 200, body.text
+    assert [r["sampling"]["top_k"] for r in body.json()["data"]] == [0, 0]
+    assert http.get("/debug/trace").status_code == 200
+
+
 def test_trace_round_trip(http, model):
     """Record, export, replay, record again: the same lengths, settings and sharing."""
     rng = random.Random(11)
