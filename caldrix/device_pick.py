@@ -34,8 +34,9 @@ from collections.abc import Sequence
 
 import torch
 
+from caldrix.batch import Run
 from caldrix.protocol import SamplingParams
-from caldrix.sampler import draw_uniform
+from caldrix.sampler import draw_uniform, penalty_history
 
 CUT_STEPS = 1  # float32 steps under a cut's value that still count as "within rounding" of it
 
@@ -193,6 +194,22 @@ def device_pick(
     u = torch.tensor([draw_uniform(p.seed, n) for p, n in zip(params, draw_index)],
                      dtype=torch.float64, device=logits.device)
     return pick_rows(logits, params, seen, u).tolist()
+
+
+def pick_runs(runs: Sequence[tuple[Run, torch.Tensor, list[int]]]) -> list[tuple[list[int], list[float]]]:
+    """The engine's side: every pick of a step's runs in one device_pick call. Each run comes
+    with its rows' fp32 logits [len(pick_at), V] (where the engine made them) and its slot's
+    token ids (the penalty's history, as the CPU pick reads it); returns (tokens, read logits)
+    for each run, as sampler.pick_run does."""
+    params, seen, draws = [], [], []
+    for r, _, rows in runs:
+        for i, offset in enumerate(r.pick_at):
+            params.append(r.sampling)
+            seen.append(penalty_history(r, offset, rows))
+            draws.append(r.draw_index + i)
+    tokens = iter(device_pick(torch.cat([logits for _, logits, _ in runs]), params, seen, draws))
+    return [([next(tokens) for _ in r.pick_at], logits[-1, list(r.read_ids)].tolist() if r.read_ids else [])
+            for r, logits, _ in runs]
 
 
 def device_distribution(

@@ -1,11 +1,12 @@
 """The engine: owns the model, the KV cache and the sampler; one synchronous `step(Batch)`.
 
-Why one file of over 400 lines: the step, its two start-up probes (check_lanes, check_verify)
-and the per-slot bookkeeping (snapshots, embeddings, draft runs) all read and write the same
-private state (`_rows`, `_snapshots`, the state tensors), which one owner keeps consistent. The
-default prompt chunk lives here too, because check_lanes must probe the chunk size it picks.
-The next cut, if the file grows: the probes into a module of their own, which needs `_decode`
-and `_decode_logits` made public for them.
+Why one file of a little over 400 lines: the step and the per-slot bookkeeping (snapshots,
+embeddings, draft runs) read and write the same private state (`_rows`, `_snapshots`, the state
+tensors), which this class alone keeps consistent; what does not touch that state lives
+elsewhere. The two start-up probes' measurements are in engine_probes.py (through the public
+decode passes, `decode_hidden` and `decode_logits`; check_lanes and check_verify here say when
+they run and keep the answers), the device pick's batching in device_pick.pick_runs, the layer
+streaming in weight_budget.stream_layers.
 
 Contract: `step` blocks for one forward pass and must be called from one thread at a time (the
 scheduler runs it in a worker thread through a limiter of one). It never touches trio, routes or
@@ -31,10 +32,11 @@ from pathlib import Path
 import attrs
 import torch
 
+from caldrix import engine_probes
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models import loader
 from caldrix.models.base import Attend, Loaded, Snapshot
-from caldrix.device_pick import device_pick
+from caldrix.device_pick import pick_runs
 from caldrix.sampler import greedy_batch, pick_run, plain_greedy
 from caldrix.weight_budget import stream_layers
 
@@ -48,8 +50,6 @@ PARALLEL_PREFILL_TOKENS = 256  # prompt tokens in a step from which every core i
 # step packs short prompts up to PREFILL_CHUNK tokens all the same: runtime.load_runtime).
 # Elsewhere a chunk that runs between decode steps would stall them for four times as long.
 PREFILL_CHUNK, PREFILL_CHUNK_AMX = 128, 512
-# check_lanes() probes a prefill chunk of the default --prefill-chunk and an uneven tail.
-LANE_PROBE_TAIL = 37
 
 
 def cpu_has_native_bf16() -> bool:
@@ -187,10 +187,8 @@ class Engine:
         arriving. Measured, not assumed: whether a matmul splits its sums by thread count is
         a property of the kernel torch picks for the dtype, shape and CPU (bfloat16 and the
         4-bit kernels keep them whole; float32 dense did on one development machine and not
-        on another). The probe prefills a full chunk and a short one into slot 0, then
-        decodes one row after them, on one thread and on all, and compares hidden states and
-        logits bit for bit. It runs before the scheduler has admitted anything and leaves the
-        slot empty."""
+        on another). The probe is engine_probes.threads_differ; it runs before the scheduler
+        has admitted anything and leaves slot 0 empty."""
         if self.device != "cpu":
             why = "a GPU runs one step at a time"
         elif self.max_threads < 2:
@@ -198,42 +196,12 @@ class Engine:
         elif self.dtype not in (torch.bfloat16, torch.float32):
             why = f"{self.dtype} is not probed"
         else:
-            why = self._probe_threads()
+            try:
+                why = engine_probes.threads_differ(self, PREFILL_CHUNK_AMX if self.unpacks_prompts else PREFILL_CHUNK)
+            finally:
+                self._rows[0] = []
         self.lanes_why = why
         return why
-
-    def _probe_threads(self) -> str | None:
-        n1 = min(PREFILL_CHUNK_AMX if self.unpacks_prompts else PREFILL_CHUNK, self.context // 2)
-        n2 = min(LANE_PROBE_TAIL, self.context - n1 - 1)
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, self.vocab_size, (n1 + n2 + 1,), generator=g)
-        names = (f"a {n1}-token prefill chunk", f"a {n2}-token prefill chunk", "a decode step", "a decode step's logits")
-        got: dict[int, tuple[torch.Tensor, ...]] = {}
-        saved = torch.get_num_threads()
-        try:
-            for threads in (1, self.max_threads):
-                torch.set_num_threads(threads)
-                h1 = self.model(ids[:n1], Attend("prefill", (0,), torch.arange(n1), torch.arange(n1)), self.state)
-                rows = torch.arange(n1, n1 + n2)
-                h2 = self.model(ids[n1:n1 + n2], Attend("prefill", (0,), rows, rows), self.state)
-                step = [Run(0, n1 + n2, (int(ids[-1]),), (0,))]
-                # the hidden rows, then the logits as a decode step makes them (the whole scripted
-                # pass where there is one). The second pass computes the same row again: from the
-                # state before the first, restored (for attention rows, in place: a no-op).
-                before = self.state.snapshot(0, n1 + n2)
-                hidden = self._decode(step)
-                self.state.restore(before, 0)
-                # Only the probe's own row: padding rows (a padded dense step) carry nothing, and
-                # a recurrent model's padding row runs over whatever its scratch slot last held.
-                got[threads] = (h1, h2, hidden[:1], self._decode_logits(step)[0][:1])
-        finally:
-            torch.set_num_threads(saved)
-            self._rows[0] = []
-        for name, one, many in zip(names, got[1], got[self.max_threads]):
-            if not torch.equal(one, many):
-                return (f"{name} on 1 thread differs from {self.max_threads} threads (max difference "
-                        f"{(one.float() - many.float()).abs().max().item():.3g})")
-        return None
 
     @property
     def kv_bytes(self) -> int:
@@ -242,46 +210,18 @@ class Engine:
     @torch.inference_mode()
     def check_verify(self) -> str | None:
         """Whether a speculative verify pass gives each of its rows exactly what a one-row
-        decode step at that position gives: None if it does, else why not. The answer is
-        cached in `can_verify`; until this runs, the engine refuses verify runs.
-
-        Measured, not assumed: whether a k-row matmul sums each row as a 1-row one does is a
-        property of the kernel torch picks for this dtype, device and CPU (on the development
-        machine bf16 dense and 4-bit do, float32 dense does not). The probe decodes nine rows
-        one step at a time, then recomputes them as one verify pass, at every thread count a
-        decode step may get (one, besides the engine's, only where the lanes overlap), and
-        compares the logits bit for bit. It writes slot 0 only, before the scheduler has
-        admitted anything, and leaves the slot empty."""
+        decode step at that position gives: None if it does, else why not
+        (engine_probes.verify_differs says how it is measured). The answer is cached in
+        `can_verify`; until this runs, the engine refuses verify runs."""
         if self.pad_decode:
-            return "a batched dense engine pads its decode steps, so its rows are not a one-row step's"
-        if not self.reuses_rows:
-            return "the model keeps a recurrent state, which cannot take back a rejected guess"
-        g = torch.Generator().manual_seed(0)
-        vocab = self.vocab_size
-        ids = torch.randint(0, vocab, (6 + 1 + MAX_DRAFT_TOKENS,), generator=g).tolist()
-        prompt, rows = ids[:6], ids[6:]
-        start = len(prompt)
-        saved = torch.get_num_threads()
-        why = None
-        try:
-            torch.set_num_threads(self.threads_for(0))
-            at = torch.arange(start, device=self.device)
-            self.model(torch.tensor(prompt, device=self.device), Attend("prefill", (0,), at, at), self.state)
-            one = torch.cat([self._decode_logits([Run(0, start + i, (t,), (0,))])[0] for i, t in enumerate(rows)])
-            # The thread counts a decode step gets: the engine's, and one where the lanes overlap.
-            for threads in sorted({self.threads_for(0)} | ({1} if self.overlap_lanes else set())):
-                torch.set_num_threads(threads)
-                run = Run(0, start, tuple(rows), tuple(range(len(rows))), verify=True)
-                many = self._decode_logits([run])[0]
-                if not torch.equal(one, many):
-                    bad = int((one != many).any(dim=-1).nonzero()[0])
-                    why = (f"a verify pass of {len(rows)} rows on {threads} thread(s) computes row {bad} differently "
-                           f"from a one-row step (max logit difference {(one - many).abs().max().item():.3g}), "
-                           f"so its picks could differ from plain decoding")
-                    break
-        finally:
-            torch.set_num_threads(saved)
-            self._rows[0] = []
+            why = "a batched dense engine pads its decode steps, so its rows are not a one-row step's"
+        elif not self.reuses_rows:
+            why = "the model keeps a recurrent state, which cannot take back a rejected guess"
+        else:
+            try:
+                why = engine_probes.verify_differs(self)
+            finally:
+                self._rows[0] = []
         self.can_verify = why is None
         return why
 
@@ -309,7 +249,7 @@ class Engine:
         reads: dict[int, list[float]] = {}
         sampled: list[tuple[Run, torch.Tensor]] = []  # runs not picked yet, with their rows' logits
         if decode:
-            logits, top = self._decode_logits(decode)  # [rows, V]: the runs' rows in order, then padding
+            logits, top = self.decode_logits(decode)  # [rows, V]: the runs' rows in order, then padding
             first = [0]  # first[i]: decode[i]'s first row
             for r in decode:
                 first.append(first[-1] + len(r.token_ids))
@@ -353,30 +293,18 @@ class Engine:
 
     def _pick(self, sampled: list[tuple[Run, torch.Tensor]], picked: dict, reads: dict) -> None:
         """The tokens of `sampled` runs (each with its rows' fp32 logits [len(pick_at), V]) into
-        `picked` and their read logits into `reads`, by id(run). The CPU pick (sampler.pick_run)
-        run by run, on host copies of the logits; or, with picks_on_device, every sampled row
-        of the step in one device pick (device_pick.py) on the logits where they are, plain
-        greedy runs still by arg-max (the two picks agree there)."""
+        `picked` and their read logits into `reads`, by id(run): the CPU pick (sampler.pick_run)
+        run by run, on host copies of the logits; or, with picks_on_device, every sampled row of
+        the step in one device pick (device_pick.pick_runs), plain greedy runs still by arg-max
+        (the two picks agree there)."""
         batched = []
         for r, logits in sampled:
             if self.picks_on_device and not plain_greedy(r):
-                batched.append((r, logits))
+                batched.append((r, logits, self._rows[r.slot]))
             else:
                 picked[id(r)], reads[id(r)] = pick_run(r, logits.cpu(), self._rows[r.slot])
-        if not batched:
-            return
-        params, seen, draws = [], [], []
-        for r, _ in batched:
-            for i, offset in enumerate(r.pick_at):
-                params.append(r.sampling)
-                # the same history as the CPU pick's penalty: prompt and reply up to this row
-                seen.append(torch.tensor(self._rows[r.slot][: r.start + offset + 1]).unique()
-                            if r.sampling.repetition_penalty != 1.0 else None)
-                draws.append(r.draw_index + i)
-        tokens = iter(device_pick(torch.cat([logits for _, logits in batched]), params, seen, draws))
-        for r, logits in batched:
-            picked[id(r)] = [next(tokens) for _ in r.pick_at]
-            reads[id(r)] = logits[-1, list(r.read_ids)].tolist() if r.read_ids else []
+        for (r, _, _), (tokens, read) in zip(batched, pick_runs(batched) if batched else ()):
+            picked[id(r)], reads[id(r)] = tokens, read
 
     def _step_drafted(self, batch: Batch) -> StepOutput:
         """A step with draft runs: the draft model proposes each one's guesses, then the step
@@ -478,12 +406,12 @@ class Engine:
             if snap is not None and snap.slot == slot and snap.in_place and snap.length > start:
                 self._snapshots[key] = (None, tokens)
 
-    def _decode(self, runs: list[Run]) -> torch.Tensor:
+    def decode_hidden(self, runs: list[Run]) -> torch.Tensor:
         """Decode rows -> hidden [rows, D] (see _decode_inputs)."""
         ids, at = self._decode_inputs(runs)
         return self.model(ids, at, self.state)
 
-    def _decode_logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int] | None]:
+    def decode_logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int] | None]:
         """Decode rows -> (fp32 logits [rows, V], every row's arg-max or None): one scripted call
         where the model has it (its decode_logits), else the layers, then the head."""
         ids, at = self._decode_inputs(runs)

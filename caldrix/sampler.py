@@ -254,13 +254,17 @@ def pick_run(r: Run, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], 
     params = r.sampling
     if plain_greedy(r):
         return greedy_batch(logits), read
-    out = []
-    for i, offset in enumerate(r.pick_at):
-        seen = None
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(rows[: r.start + offset + 1]).unique()
-        out.append(pick(logits[i], params, seen, r.draw_index + i))
+    out = [pick(logits[i], params, penalty_history(r, offset, rows), r.draw_index + i)
+           for i, offset in enumerate(r.pick_at)]
     return out, read
+
+
+def penalty_history(r: Run, offset: int, rows: list[int]) -> torch.Tensor | None:
+    """The distinct ids the repetition penalty sees for r's pick at `offset` (prompt and reply
+    up to that row; `rows`: the slot's token ids), or None where the penalty is 1."""
+    if r.sampling.repetition_penalty == 1.0:
+        return None
+    return torch.tensor(rows[: r.start + offset + 1]).unique()
 
 
 def plain_greedy(r: Run) -> bool:

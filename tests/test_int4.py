@@ -328,7 +328,7 @@ def test_the_tied_embedding_is_read_from_the_head_with_the_dense_bits(smollm2_di
     def logits(engine):  # a prompt's rows through a prefill chunk, then three decode-form passes
         prompt = tuple(range(300, 340))
         engine.step(Batch((Run(0, 0, prompt[:-1], ()),)))
-        rows = [engine._decode_logits([Run(0, len(prompt) - 1 + i, (t,), (0,))])[0] for i, t in
+        rows = [engine.decode_logits([Run(0, len(prompt) - 1 + i, (t,), (0,))])[0] for i, t in
                 enumerate((prompt[-1], 5, 48000))]
         return torch.cat(rows)
 
@@ -411,10 +411,10 @@ def test_scripted_decode_layers_give_the_eager_bits(smollm2_dir, gguf_file):
             engine.step(Batch((Run(slot, 0, p, ()),)))
         out = []
         for i, t in enumerate((11, 4000, 37, 29000)):
-            out.append(engine._decode_logits([Run(0, len(prompts[0]) + i, (t,), (0,))]))  # one row
-            out.append(engine._decode_logits([Run(s, len(p) + i, (t + s,), (0,)) for s, p in enumerate(prompts)]))
+            out.append(engine.decode_logits([Run(0, len(prompts[0]) + i, (t,), (0,))]))  # one row
+            out.append(engine.decode_logits([Run(s, len(p) + i, (t + s,), (0,)) for s, p in enumerate(prompts)]))
         verify = Run(1, len(prompts[1]) + 4, (5, 812, 77, 3), (0, 1, 2, 3), verify=True)
-        out.append(engine._decode_logits([verify, Run(2, len(prompts[2]) + 4, (9,), (0,))]))
+        out.append(engine.decode_logits([verify, Run(2, len(prompts[2]) + 4, (9,), (0,))]))
         return out
 
     eager, layered, whole = passes(False, False), passes(True, False), passes(True, True)

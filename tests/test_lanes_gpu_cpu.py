@@ -156,7 +156,7 @@ def test_the_engine_makes_the_device_pick_where_told(smollm2_dir, monkeypatch):
     CPU tensors here, as on a GPU's), each the token an independent float32 reference picks
     from the same logits; seeded replies repeat, and a reply is the same alone as beside
     others. Greedy rows never reach it."""
-    import caldrix.engine
+    import caldrix.device_pick
     from caldrix.engine import Engine
     from caldrix.sampler import draw_uniform
     from engine_util import generate
@@ -165,14 +165,14 @@ def test_the_engine_makes_the_device_pick_where_told(smollm2_dir, monkeypatch):
     engine = Engine.load(smollm2_dir, dtype=torch.float32, max_batch=3, context=128)
     engine.picks_on_device = True
     calls: list[tuple] = []
-    real = caldrix.engine.device_pick
+    real = caldrix.device_pick.device_pick
 
     def recorded(logits, params, seen_ids, draws):
         got = real(logits, params, seen_ids, draws)
         calls.append((logits.clone(), list(params), list(seen_ids), list(draws), got))
         return got
 
-    monkeypatch.setattr(caldrix.engine, "device_pick", recorded)
+    monkeypatch.setattr(caldrix.device_pick, "device_pick", recorded)
     prompts = [(1, 504, 3458, 314, 1017), (1, 504, 2386, 29, 14), (1, 378, 2051)]
     together = generate(engine, prompts, 6, together=True, sampling=DEVICE_PICKED)
     assert len(calls) >= 6 and sum(len(c[1]) for c in calls) == 12  # two sampled replies, 6 tokens each

@@ -28,7 +28,7 @@ LAYERS = {
     "caldrix.generate": 5, "caldrix.text": 5, "caldrix.tokenizer": 5, "caldrix.telemetry": 5, "caldrix.metrics": 5,
     "caldrix.sched": 4,
     "caldrix.engine": 3, "caldrix.host_engine": 3, "caldrix.batch": 3, "caldrix.sampler": 3,
-    "caldrix.device_pick": 3, "caldrix.weight_budget": 3, "caldrix.draft": 3,
+    "caldrix.device_pick": 3, "caldrix.weight_budget": 3, "caldrix.draft": 3, "caldrix.engine_probes": 3,
     "caldrix.models": 2,
     "caldrix.kernels": 1,
     "caldrix.weights": 0, "caldrix.protocol": 0, "caldrix.config": 0,

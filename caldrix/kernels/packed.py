@@ -46,3 +46,16 @@ class PackedLinear(nn.Module):
             other = residual.reshape(-1, self.out_features).contiguous()
             y = torch.ops.mkldnn._linear_pointwise.binary(x2, other, self.packed, self.bias, "add")
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Swap every bias-free nn.Linear under `module` (other layer types, 4-bit ones included, stay
+    as they are) for a PackedLinear of its weight: the same bits as the plain matmul. Returns
+    how many it swapped. For model files' pack() steps, where can_pack says so."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.bias is None:
+                setattr(parent, name, PackedLinear(child.weight))
+                count += 1
+    return count

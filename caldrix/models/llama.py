@@ -22,7 +22,7 @@ from torch import nn
 
 from caldrix.kernels import native
 from caldrix.kernels.ops import apply_rope, rms_norm
-from caldrix.kernels.packed import PackedLinear
+from caldrix.kernels.packed import pack_linears
 from caldrix.kernels.q4 import Q8Embedding
 from caldrix.models.base import Attend, KVCache, attend_cached, input_rows
 
@@ -215,11 +215,7 @@ class Decoder(nn.Module):
         plain matmul. Measured at SmolVLM-256M's text shape on 2 cores: an 877-token prompt in
         128-row chunks 546 -> 475 ms, a decode step 36 -> 31 ms. For loaders, where
         kernels.packed.can_pack says so (bfloat16 on a CPU with oneDNN's bf16 support)."""
-        for layer in self.layers:
-            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                lin = getattr(layer, name)
-                if type(lin) is nn.Linear:
-                    setattr(layer, name, PackedLinear(lin.weight))
+        pack_linears(self.layers)
 
     def setup_rope(self, rows: int) -> None:
         self.cos, self.sin = rope_tables(self.cfg, rows, self.norm.weight.device)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from caldrix.kernels.packed import PackedLinear
+from caldrix.kernels.packed import PackedLinear, pack_linears
 from caldrix.models import gated_delta
 from caldrix.models.base import Attend, attend_cached
 from caldrix.models.qwen3_5_state import Qwen35Snapshot, Qwen35State  # noqa: F401 (re-exported)
@@ -284,10 +284,7 @@ class Qwen35(nn.Module):
         """Swap every bias-free Linear, and the head, for a PackedLinear (bfloat16 on a CPU with
         oneDNN's bf16 support: see can_pack). The tied head gets a packed copy of the embedding
         (the lookup needs the plain rows): 0.5 GB more at decider-0.8b's shape."""
-        for module in list(self.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear and child.bias is None:
-                    setattr(module, name, PackedLinear(child.weight))
+        pack_linears(self)
         self.head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed.weight)
 
     @staticmethod

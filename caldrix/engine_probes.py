@@ -1,0 +1,93 @@
+"""The engine's two start-up probes: measurements, on the engine's own model and state, of what
+its kernels do on this machine, which decide how the engine may be driven.
+
+Both write slot 0 only, before the scheduler has admitted anything; Engine.check_lanes and
+Engine.check_verify call them, keep the answers and empty the slot's token mirror after. They
+use the engine's public parts (model, state, decode_hidden, decode_logits, threads_for).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from caldrix.batch import MAX_DRAFT_TOKENS, Run
+from caldrix.models.base import Attend
+
+# threads_differ probes a prefill chunk of the default --prefill-chunk and an uneven tail.
+LANE_PROBE_TAIL = 37
+
+
+def threads_differ(engine, chunk: int) -> str | None:
+    """Whether the engine's steps give other bits on one thread than on `max_threads`: None if
+    they do not, else which step differs and by how much.
+
+    The probe prefills a `chunk`-token chunk and a short one into slot 0, then decodes one row
+    after them, on one thread and on all, and compares hidden states and logits bit for bit."""
+    n1 = min(chunk, engine.context // 2)
+    n2 = min(LANE_PROBE_TAIL, engine.context - n1 - 1)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, engine.vocab_size, (n1 + n2 + 1,), generator=g)
+    names = (f"a {n1}-token prefill chunk", f"a {n2}-token prefill chunk", "a decode step", "a decode step's logits")
+    got: dict[int, tuple[torch.Tensor, ...]] = {}
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, engine.max_threads):
+            torch.set_num_threads(threads)
+            h1 = engine.model(ids[:n1], Attend("prefill", (0,), torch.arange(n1), torch.arange(n1)), engine.state)
+            rows = torch.arange(n1, n1 + n2)
+            h2 = engine.model(ids[n1:n1 + n2], Attend("prefill", (0,), rows, rows), engine.state)
+            step = [Run(0, n1 + n2, (int(ids[-1]),), (0,))]
+            # the hidden rows, then the logits as a decode step makes them (the whole scripted
+            # pass where there is one). The second pass computes the same row again: from the
+            # state before the first, restored (for attention rows, in place: a no-op).
+            before = engine.state.snapshot(0, n1 + n2)
+            hidden = engine.decode_hidden(step)
+            engine.state.restore(before, 0)
+            # Only the probe's own row: padding rows (a padded dense step) carry nothing, and
+            # a recurrent model's padding row runs over whatever its scratch slot last held.
+            got[threads] = (h1, h2, hidden[:1], engine.decode_logits(step)[0][:1])
+    finally:
+        torch.set_num_threads(saved)
+    for name, one, many in zip(names, got[1], got[engine.max_threads]):
+        if not torch.equal(one, many):
+            return (f"{name} on 1 thread differs from {engine.max_threads} threads (max difference "
+                    f"{(one.float() - many.float()).abs().max().item():.3g})")
+    return None
+
+
+def verify_differs(engine) -> str | None:
+    """Whether a speculative verify pass computes any of its rows otherwise than a one-row
+    decode step at that position: None if not, else which row and by how much.
+
+    Measured, not assumed: whether a k-row matmul sums each row as a 1-row one does is a
+    property of the kernel torch picks for this dtype, device and CPU (on the development
+    machine bf16 dense and 4-bit do, float32 dense does not). The probe decodes nine rows one
+    step at a time, then recomputes them as one verify pass, at every thread count a decode step
+    may get (one, besides the engine's, only where the lanes overlap), and compares the logits
+    bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    ids = torch.randint(0, vocab, (6 + 1 + MAX_DRAFT_TOKENS,), generator=g).tolist()
+    prompt, rows = ids[:6], ids[6:]
+    start = len(prompt)
+    saved = torch.get_num_threads()
+    why = None
+    try:
+        torch.set_num_threads(engine.threads_for(0))
+        at = torch.arange(start, device=engine.device)
+        engine.model(torch.tensor(prompt, device=engine.device), Attend("prefill", (0,), at, at), engine.state)
+        one = torch.cat([engine.decode_logits([Run(0, start + i, (t,), (0,))])[0] for i, t in enumerate(rows)])
+        # The thread counts a decode step gets: the engine's, and one where the lanes overlap.
+        for threads in sorted({engine.threads_for(0)} | ({1} if engine.overlap_lanes else set())):
+            torch.set_num_threads(threads)
+            run = Run(0, start, tuple(rows), tuple(range(len(rows))), verify=True)
+            many = engine.decode_logits([run])[0]
+            if not torch.equal(one, many):
+                bad = int((one != many).any(dim=-1).nonzero()[0])
+                why = (f"a verify pass of {len(rows)} rows on {threads} thread(s) computes row {bad} differently "
+                       f"from a one-row step (max logit difference {(one - many).abs().max().item():.3g}), "
+                       f"so its picks could differ from plain decoding")
+                break
+    finally:
+        torch.set_num_threads(saved)
+    return why
