@@ -90,16 +90,18 @@ def make(path: Path) -> None:
                   metadata={"format": "pt"})
 
 
-def run_ours(path: Path, dtype, prompt: list[int], steps: int) -> dict:
+def run_ours(path: Path, dtype, prompt: list[int], steps: int, weights: str = "dense") -> dict:
     import torch
+    from caldrix.batch import MAX_DRAFT_TOKENS
     from caldrix.models.base import Attend
     from caldrix.models.qwen3_5 import Qwen35
-    from caldrix.models.qwen3_5_load import load_qwen35
+    from caldrix.models.qwen3_5_load import load
 
     if dtype is None:
         dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     t = time.perf_counter()
-    model = load_qwen35(path, dtype)
+    # the engine's own load call: --weights q4 rounds to 4-bit groups, 4-bit kernel up to a verify pass's rows
+    model = load(path, dtype=dtype, int4_rows=1 + MAX_DRAFT_TOKENS, quantize=weights == "q4").model
     load_s = time.perf_counter() - t
     state = Qwen35.new_state(model.cfg, 1, len(prompt) + steps + 16, dtype, "cpu")
 
@@ -165,8 +167,10 @@ def child(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = torch.randint(0, 248000, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
-    fn = run_ours if args.child == "caldrix" else run_transformers
-    result = fn(Path(args.dir), dtype, prompt, args.tokens)
+    if args.child == "caldrix":
+        result = run_ours(Path(args.dir), dtype, prompt, args.tokens, args.weights)
+    else:
+        result = run_transformers(Path(args.dir), dtype, prompt, args.tokens)
     result.update(peak_rss_mib=peak_mib(), threads=torch.get_num_threads())
     Path(args.out).write_text(json.dumps(result))
 
@@ -180,6 +184,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in both (0: torch's default)")
+    ap.add_argument("--weights", default="dense", choices=["dense", "q4"],
+                    help="caldrix's --weights: dense (as loaded) or q4 (4-bit groups made at load)")
     ap.add_argument("--dir", default=str(Path.home() / ".cache" / "caldrix" / "bench-qwen3_5-0.8b-random"))
     ap.add_argument("--child", choices=["caldrix", "transformers", "make"])
     ap.add_argument("--out")
@@ -199,14 +205,15 @@ def main() -> None:
             out = path / f"result-{side}.json"
             subprocess.run([sys.executable, __file__, "--child", side, "--out", str(out), "--dir", str(path),
                             "--dtype", args.dtype, "--prompt", str(args.prompt), "--tokens", str(args.tokens),
-                            "--threads", str(args.threads)] + (["--ftz-transformers"] if args.ftz else []),
+                            "--threads", str(args.threads), "--weights", args.weights] + (["--ftz-transformers"] if args.ftz else []),
                            check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
             runs[side].append(json.loads(out.read_text()))
     res = {side: v[0] for side, v in runs.items()}
     ours, theirs = res["caldrix"], res["transformers"]
     diff = max(abs(a - b) for a, b in zip(ours["first"], theirs["first"]))
     same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
-    print(f"Qwen3.5 0.8b shape, random weights, --dtype {args.dtype} (caldrix {ours['dtype']}, transformers "
+    print(f"Qwen3.5 0.8b shape, random weights, --dtype {args.dtype} (caldrix {ours['dtype']}"
+          f"{', --weights q4' if args.weights == 'q4' else ''}, transformers "
           f"{theirs['dtype']}), {ours['threads']} threads, best of {args.rounds} alternating rounds; transformers "
           f"kernels: {theirs['kernels']}{', subnormals flushed' if args.ftz else ''}")
     print(f"{'':24}{'caldrix':>10}{'transformers':>14}{'ratio':>8}")

@@ -21,7 +21,7 @@ class ServeConfig:
     served_name: str | None = None
     backend: str = "auto"  # auto | cpu | cuda | hip | host
     dtype: str = "auto"
-    weights: str = "auto"  # auto: keep a GGUF's Q4_1 blocks 4-bit where the engine can; dense
+    weights: str = "auto"  # auto: keep a GGUF's Q4_1 blocks 4-bit where the engine can; dense; q4 (runtime._quantize)
     context: int | None = None  # None: the model's maximum, capped at 8192
     max_batch: int = 1  # the CLI resolves its default from the lane (lanes.default_max_batch)
     queue_depth: int = 64

@@ -89,7 +89,8 @@ class Engine:
         self.state = type(model).new_state(model.cfg, max_batch + self.pad_decode, context, self.dtype, device)
         if hasattr(model, "setup"):
             model.setup(context)
-        self.int4_layers = 0  # projections kept as 4-bit GGUF blocks
+        self.int4_layers = 0  # projections kept as 4-bit GGUF blocks, or rounded to them at load
+        self.quantized = False  # rounded at load (--weights q4, kernels/q4_quantize.py)
         self.int4_head = False  # the lm_head kept as the GGUF's Q8_0 blocks (kernels/q4.py)
         self.q8_embed = False  # and the tied embedding read from them (llama_load.embed_from_head)
         self.int4_ours = False  # the 4-bit matmuls run caldrix's kernel (q4mm.cpp, q4mm_f32.cpp), not torch's
@@ -129,19 +130,21 @@ class Engine:
 
     @classmethod
     def load(cls, path: Path, *, dtype: torch.dtype, max_batch: int, context: int | None, device: str = "cpu",
-             int4_from: Path | None = None, weight_budget: int | None = None) -> "Engine":
+             int4_from: Path | None = None, weight_budget: int | None = None, quantize: bool = False) -> "Engine":
         """Load a Hugging Face directory through its architecture's loader (models/__init__.py).
         `int4_from`: the GGUF the directory was converted from; its Q4_1 projections then stay
         4-bit (the CPU only: bfloat16, or float32 where caldrix::q4_mm_f32 is built).
         `weight_budget`: at most that many bytes of weights on `device`, the other decoder
         layers streamed from host memory each pass (weight_budget.stream_layers; the model is
-        loaded on the CPU unpacked first); BudgetError if the budget cannot hold a plan."""
+        loaded on the CPU unpacked first); BudgetError if the budget cannot hold a plan.
+        `quantize` (`--weights q4`): the loader rounds the weights to 4-bit groups (ValueError
+        where the architecture or dtype cannot)."""
         stream = weight_budget is not None
         # Up to a verify pass's rows, whatever --speculate says, so a prompt of a few tokens
         # takes the same kernels with speculation or without.
         got: Loaded = loader(path)(path, dtype=dtype, device="cpu" if stream else device, int4_from=int4_from,
                                    max_batch=max_batch, int4_rows=max(max_batch, 1 + MAX_DRAFT_TOKENS),
-                                   pack=not stream)
+                                   pack=not stream, quantize=quantize)
         model = got.model
         weight_plan = stream_layers(model, weight_budget, device) if stream else None
         ctx = min(getattr(model.cfg, "max_positions", 8192), 8192) if context is None else context
@@ -149,6 +152,7 @@ class Engine:
         engine.int4_layers, engine.int4_head, engine.q8_embed = got.int4_layers, got.int4_head, got.q8_embed
         engine.int4_ours, engine.scripted_rows, engine.scripted_pass = got.int4_ours, got.scripted_rows, got.scripted_pass
         engine.weight_plan = weight_plan
+        engine.quantized = quantize
         engine.check_lanes()
         return engine
 

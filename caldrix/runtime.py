@@ -66,7 +66,10 @@ class Runtime:
         if self.lane in GPU_LANES:
             say(device_line(self.lane, *device_facts()))
         int4 = getattr(self.engine, "int4_layers", 0)
-        weights = f", {int4} projections kept as 4-bit GGUF blocks" if int4 else ""
+        if getattr(self.engine, "quantized", False):
+            weights = f", {int4} layers rounded to 4-bit groups at load (--weights q4)"
+        else:
+            weights = f", {int4} projections kept as 4-bit GGUF blocks" if int4 else ""
         if getattr(self.engine, "int4_head", False):
             weights += ", the lm_head as Q8_0 blocks"
             if getattr(self.engine, "q8_embed", False):
@@ -120,9 +123,32 @@ def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | 
     from caldrix.kernels import q4
     from caldrix.weights.gguf import source_gguf
 
-    if cfg.weights != "auto" or lane != "cpu" or not q4.runs_4bit(dtype, "cpu"):
+    if cfg.weights not in ("auto", "q4") or lane != "cpu" or not q4.runs_4bit(dtype, "cpu"):
         return None
     return source_gguf(model_dir)
+
+
+# The architectures whose loader rounds dense weights to 4-bit groups (`--weights q4`).
+QUANTIZES = ("qwen3_5", "qwen3_5_text")
+
+
+def _quantize(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> bool:
+    """--weights q4: whether the loader rounds the weights to 4-bit groups at load
+    (kernels/q4_quantize.py). A model from a GGUF keeps its own blocks instead, as with auto.
+    FlagError, before anything loads, where the model or the engine cannot."""
+    from caldrix.kernels import q4_quantize
+    from caldrix.weights.gguf import source_gguf
+
+    if cfg.weights != "q4" or source_gguf(model_dir) is not None:
+        return False
+    arch = architecture_of(model_dir)
+    if arch not in QUANTIZES:
+        raise FlagError(f"--weights q4: rounding weights to 4 bits at load is for Qwen3.5 models, not {arch}; "
+                        "a llama-family model takes 4-bit weights from its GGUF (--weights auto)")
+    if lane != "cpu" or not q4_quantize.usable(dtype, "cpu"):
+        raise FlagError(f"--weights q4 needs the cpu lane and bfloat16 (torch's int4 kernel), not "
+                        f"{str(dtype).removeprefix('torch.')} on the {lane} lane")
+    return True
 
 
 def load_runtime(cfg: ServeConfig) -> Runtime:
@@ -158,7 +184,8 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         engine = HostEngine(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context)
     else:
         engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
-                             int4_from=_int4_source(cfg, src.path, lane, dtype), weight_budget=cfg.weight_budget)
+                             int4_from=_int4_source(cfg, src.path, lane, dtype), weight_budget=cfg.weight_budget,
+                             quantize=_quantize(cfg, src.path, lane, dtype))
     if lane != "host":
         # the AMD lane's batched pick (http-api.md "Sampling"); the telemetry names it from this
         engine.picks_on_device = uses_device_pick(lane, cfg.max_batch, cfg.sampler)

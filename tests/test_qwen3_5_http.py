@@ -137,3 +137,20 @@ def test_held_slot_reuse_over_http(server, client, engine):
             if i == 2:
                 break  # the client goes away mid-reply
     assert complete(longer) == want[1][0]
+
+
+def test_weights_q4_over_http(model_dir, expected):
+    """`--weights q4 --dtype bfloat16`: the start-up line says the weights were rounded at load,
+    and a completion's tokens are the in-process q4 engine's greedy reply to the same ids."""
+    from caldrix.kernels import q4_quantize
+
+    if not q4_quantize.usable(torch.bfloat16, "cpu"):
+        pytest.skip("no torch int4 CPU kernel")
+    ((prompt, _), _), tok = expected
+    engine = Engine.load(model_dir, dtype=torch.bfloat16, max_batch=1, context=512, quantize=True)
+    (want,) = generate(engine, [prompt], N, together=False, chunk=128, stop=tok.eos_token_ids)
+    with ServerProcess.start(model_dir, "--dtype", "bfloat16", "--weights", "q4", "--context", "512") as srv:
+        assert "rounded to 4-bit groups at load (--weights q4)" in srv.stderr
+        got = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": "tiny-qwen3.5", "prompt": PROMPT, "max_tokens": N, "return_token_ids": True}).json()
+    assert got["choices"][0]["token_ids"] == want

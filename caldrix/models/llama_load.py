@@ -41,12 +41,15 @@ from caldrix.weights.tensor_files import TensorFiles
 
 
 def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path | None = None,
-         max_batch: int = 1, int4_rows: int = 8, pack: bool = True) -> Loaded:
+         max_batch: int = 1, int4_rows: int = 8, pack: bool = True, quantize: bool = False) -> Loaded:
     """A Decoder from the Hugging Face directory `path`. `int4_from`: the GGUF the directory was
     converted from; its Q4_1 projections then stay 4-bit (the CPU only: bfloat16, or float32
     where caldrix::q4_mm_f32 is built). `int4_rows`: calls of up to this many rows take the 4-bit
     kernel where a layer keeps dense weights beside its blocks (torch's kernel); `max_batch`: the
     most decode rows a step has (the head's kernel is chosen by it, below)."""
+    if quantize:
+        raise ValueError("--weights q4 rounds weights to 4 bits at load for Qwen3.5 models only; a llama-family "
+                         "model takes its 4-bit weights from a GGUF (--weights auto)")
     skip: frozenset[str] = frozenset()
     if int4_from is not None:
         if not runs_4bit(dtype, device):

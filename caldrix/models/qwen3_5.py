@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caldrix.kernels.packed import PackedLinear, pack_linears
+from caldrix.kernels.q4_quantize import QuantizedLinear, fits, quantize_linears
 from caldrix.models import gated_delta
 from caldrix.models.base import Attend, attend_cached
 from caldrix.models.qwen3_5_state import Qwen35Snapshot, Qwen35State  # noqa: F401 (re-exported)
@@ -278,7 +279,8 @@ class Qwen35(nn.Module):
         self.norm_scale = nn.Parameter(torch.ones(cfg.hidden_size, dtype=torch.float32))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cos = self.sin = None
-        self.head: nn.Module | None = None  # set by pack(): the head's weight, packed
+        self.head: nn.Module | None = None  # set by pack() or quantize(): the head's weight, packed
+        self.quantized = False  # set by quantize(): the head and projections are 4-bit groups
 
     def pack(self) -> None:
         """Swap every bias-free Linear, and the head, for a PackedLinear (bfloat16 on a CPU with
@@ -286,6 +288,27 @@ class Qwen35(nn.Module):
         (the lookup needs the plain rows): 0.5 GB more at decider-0.8b's shape."""
         pack_linears(self)
         self.head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed.weight)
+
+    def quantize(self, max_int4_rows: int) -> int:
+        """`--weights q4` (bfloat16 on the CPU: kernels/q4_quantize.py): the head and every
+        projection torch's int4 kernel takes become 4-bit groups, the projections with a packed
+        copy of their dequantized weights for calls past `max_int4_rows` rows; what it cannot
+        take is packed as pack() would. The embedding stays as loaded (the lookup reads plain
+        rows). Returns how many layers became 4-bit, the head among them."""
+        head_w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        count = 0
+        if fits(*head_w.shape):
+            # no dense copy: only a verify pass calls the head with more than a step's rows
+            self.head = QuantizedLinear(head_w.detach(), max_int4_rows, dense_copy=False)
+            if self.lm_head is not None:
+                self.lm_head = self.head
+            count = 1
+        count += quantize_linears(self.layers, max_int4_rows)
+        pack_linears(self)
+        if self.head is None:
+            self.head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed.weight)
+        self.quantized = True
+        return count
 
     @staticmethod
     def new_state(cfg: Qwen35Config, num_slots: int, rows: int, dtype: torch.dtype, device="cpu") -> Qwen35State:
@@ -342,7 +365,10 @@ class Qwen35(nn.Module):
     def read_logits(self, hidden: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor | None:
         """hidden [1, D] -> float32 logits [len(ids)] of those tokens alone: a reading needs a
         few label logits, not the whole head. None when the head's plain rows are not kept (an
-        untied head packed at load)."""
+        untied head packed at load) or where the head is 4-bit (its rows are not the embedding's
+        any more: the reading takes the whole head, as decoding does)."""
+        if self.quantized:
+            return None
         w = self.embed.weight if self.lm_head is None else getattr(self.lm_head, "weight", None)
         if w is None:
             return None

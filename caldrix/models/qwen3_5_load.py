@@ -8,19 +8,31 @@ from pathlib import Path
 
 import torch
 
+from caldrix.kernels import q4_quantize
 from caldrix.kernels.packed import can_pack
 from caldrix.models.base import Loaded
 from caldrix.models.qwen3_5 import Qwen35, Qwen35Config
 
 
 def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path | None = None,
-         max_batch: int = 1, int4_rows: int = 8, pack: bool = True) -> Loaded:
-    """A Qwen35 from the Hugging Face directory `path`, dense in `dtype`. GGUF 4-bit weights are
-    a llama-family path only; `max_batch` and `int4_rows` choose nothing here."""
+         max_batch: int = 1, int4_rows: int = 8, pack: bool = True, quantize: bool = False) -> Loaded:
+    """A Qwen35 from the Hugging Face directory `path`, in `dtype`. `quantize` (`--weights q4`):
+    the head and projections rounded to 4-bit groups at load (Qwen35.quantize), calls of up to
+    `int4_rows` rows on the 4-bit kernel; bfloat16 on the CPU only. GGUF 4-bit weights are a
+    llama-family path only; `max_batch` chooses nothing here."""
     if int4_from is not None:
         raise ValueError("qwen3_5: GGUF weights are not supported for this architecture; serve its "
                          "Hugging Face directory (safetensors)")
-    return Loaded(load_qwen35(Path(path), dtype, device, pack=pack))
+    if not quantize:
+        return Loaded(load_qwen35(Path(path), dtype, device, pack=pack))
+    if not (pack and q4_quantize.usable(dtype, device)):
+        raise ValueError("--weights q4 needs --dtype bfloat16 on the cpu lane (torch's int4 kernel), "
+                         f"not {str(dtype).removeprefix('torch.')} on {device}")
+    model = load_qwen35(Path(path), dtype, device, pack=False)
+    layers = model.quantize(int4_rows)
+    # torch's int4 kernel gives a row the same bits at any row count, but the layers it cannot
+    # take stay dense: pad decode steps unless every projection is 4-bit
+    return Loaded(model, row_count_dependent=q4_quantize.dense_left(model), int4_layers=layers)
 
 
 def load_qwen35(path: Path, dtype: torch.dtype, device="cpu", pack: bool = True) -> Qwen35:

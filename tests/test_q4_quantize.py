@@ -1,0 +1,212 @@
+"""--weights q4: weights rounded to 4-bit groups at load (caldrix/kernels/q4_quantize.py).
+
+The rounding is held to ggml's own Q4_1 quantizer (the `gguf` package's numpy port of
+quantize_row_q4_1_ref), the layer to the matmul on its dequantized weights, and a tiny random
+Qwen3.5 whose every projection and head are 4-bit to transformers running the same
+dequantized weights: the served model is the 4-bit model, computed right.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from caldrix.kernels import q4_quantize
+from caldrix.kernels.q4 import unpack_q4_1
+from caldrix.kernels.q4_quantize import QuantizedLinear, dequantize, q4_1, torch_layout
+
+pytestmark = pytest.mark.skipif(not q4_quantize.usable(torch.bfloat16, "cpu"), reason="no torch int4 CPU kernel")
+
+
+def ggml_q4_1(w: torch.Tensor):
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(w.float().numpy(), GGMLQuantizationType.Q4_1)
+    return unpack_q4_1(np.ascontiguousarray(raw), w.shape[1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 3).map(lambda n: 16 * n), groups=st.integers(1, 4), seed=st.integers(0, 2 ** 16),
+       scale=st.sampled_from([1e-3, 1.0, 30.0]), flat=st.booleans())
+def test_rounding_is_ggmls_q4_1(rows, groups, seed, scale, flat):
+    """q, d and m equal ggml's Q4_1 quantizer's, bit for bit (flat groups: d = 0, q = 0)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, 32 * groups, generator=g) * scale
+    if flat:
+        w[0, :32] = 0.5
+    q, d, m = q4_1(w.bfloat16())
+    q_ref, d_ref, m_ref = ggml_q4_1(w.bfloat16())
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref) and torch.equal(m, m_ref)
+
+
+def test_layer_is_the_matmul_on_its_dequantized_weights():
+    """Both paths (torch's int4 kernel up to max_int4_rows rows, the packed dense copy past
+    them) give x @ W.T for W the blocks' weights, to bfloat16 rounding of the outputs; the
+    dense copy is d q + m, as ggml dequantizes, to the bfloat16 rounding of scale and zero."""
+    from gguf import GGMLQuantizationType, quants
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 96).bfloat16()
+    layer = QuantizedLinear(w, max_int4_rows=4)
+    q, d, m = q4_1(w)
+    dense = dequantize(q, torch_layout(q, d, m)[1])
+    raw = quants.quantize(w.float().numpy(), GGMLQuantizationType.Q4_1)
+    ggml = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_1))
+    assert (dense.float() - ggml).abs().max() <= 2 ** -7 * ggml.abs().max()
+    for rows in (1, 4, 5, 40):
+        x = torch.randn(rows, 96).bfloat16()
+        want = x.float() @ dense.float().t()
+        got = layer(x).float()
+        assert (got - want).abs().max() <= 2 ** -7 * want.abs().max(), rows
+
+
+def test_a_rows_result_does_not_depend_on_the_row_count():
+    """On the 4-bit path each row of a call of 1..9 rows equals the same row alone: the engine
+    runs a q4 model's decode steps unpadded on this."""
+    torch.manual_seed(1)
+    layer = QuantizedLinear(torch.randn(48, 128).bfloat16(), max_int4_rows=9)
+    x = torch.randn(9, 128).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(9)])
+    for n in range(1, 10):
+        assert torch.equal(layer(x[:n]), alone[:n]), n
+
+
+# ---- a tiny Qwen3.5 whose every projection and head torch's kernel takes ----
+
+transformers = pytest.importorskip("transformers")
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
+
+from caldrix.models.qwen3_5_load import load  # noqa: E402
+
+# Shapes torch's kernel takes throughout (rows in sixteens, K in groups of 32): the linear
+# layers' fused input projection has 2*16*8 + 16*8 (conv) + 128 (z) + 16 (b) + 16 (a) = 544 rows.
+TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=1024, num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+
+
+def as_4bit(w: torch.Tensor) -> torch.Tensor:
+    """The weights a QuantizedLinear of `w` computes with (float32)."""
+    q, d, m = q4_1(w)
+    return dequantize(q, torch_layout(q, d, m)[1]).float()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def q4_pair(request, tmp_path_factory):
+    """(the checkpoint's directory, caldrix's q4 load of it, transformers on the dequantized
+    weights in float32, and in bf16)."""
+    tie = request.param
+    torch.manual_seed(7)
+    ref = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, tie_word_embeddings=tie))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.3 if p.dim() == 1 else 0.12)
+    path = tmp_path_factory.mktemp("q4") / "tiny"
+    ref.to(torch.bfloat16).save_pretrained(path)  # the checkpoint caldrix quantizes: bf16 weights
+    got = load(path, dtype=torch.bfloat16, int4_rows=9, quantize=True)
+    # transformers on the 4-bit weights: every projection and the head dequantized, the
+    # embedding as saved (the lookup keeps plain rows), so the head is untied there
+    sd = {k: v.float() for k, v in ref.state_dict().items()}
+    for name in list(sd):
+        if ("proj" in name and sd[name].dim() == 2) or name == "lm_head.weight":  # q_proj, in_proj_z, ...
+            sd[name] = as_4bit(sd[name].bfloat16())
+    sd["lm_head.weight"] = as_4bit(sd["model.embed_tokens.weight"].bfloat16()) if tie else sd["lm_head.weight"]
+    untied = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, tie_word_embeddings=False)).eval()
+    untied.load_state_dict(sd)
+    ref16 = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, tie_word_embeddings=False)).eval()
+    ref16.load_state_dict(sd)
+    return path, got, untied, ref16.to(torch.bfloat16)
+
+
+def test_every_projection_and_the_head_are_4bit(q4_pair):
+    _, got, _, _ = q4_pair
+    model = got.model
+    from caldrix.kernels.packed import PackedLinear
+
+    # the layers' matmul modules, less the dense copies inside the 4-bit ones
+    linears = [c for m in model.layers.modules() if not isinstance(m, QuantizedLinear) for c in m.children()
+               if isinstance(c, (torch.nn.Linear, PackedLinear, QuantizedLinear))]
+    assert linears and all(isinstance(m, QuantizedLinear) for m in linears)
+    assert isinstance(model.head, QuantizedLinear) and model.head.dense is None
+    assert got.int4_layers == len(linears) + 1 and not got.row_count_dependent
+    assert model.embed.weight.dtype == torch.bfloat16  # the lookup's rows stay as loaded
+    assert model.read_logits(torch.zeros(1, 64, dtype=torch.bfloat16), (1, 2)) is None  # the whole head reads
+
+
+def test_q4_model_is_transformers_on_the_dequantized_weights(q4_pair):
+    """A 100-token prompt (dense copies: 100 rows > 9) and 16 decode steps (4-bit kernel),
+    teacher-forced: as close to transformers' float32 run of the 4-bit weights as transformers'
+    own bf16 run of them is (within a factor of 2), and the same greedy picks where float32's
+    top two logits are apart by more than that error."""
+    from test_qwen3_5 import decode, prefill
+
+    from caldrix.models.qwen3_5 import Qwen35
+
+    _, got, ref, ref16 = q4_pair
+    model = got.model
+    ids = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = ref(input_ids=ids[None], use_cache=True)
+        want, cache, tokens = [out.logits[0]], out.past_key_values, []
+        for _ in range(16):
+            tokens.append(int(want[-1][-1].argmax()))
+            out = ref(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+            cache = out.past_key_values
+            want.append(out.logits[0])
+        want = torch.cat(want).float()
+        theirs = ref16(input_ids=torch.cat([ids, torch.tensor(tokens)])[None]).logits[0].float()
+    state = Qwen35.new_state(model.cfg, 2, 256, torch.bfloat16, "cpu")
+    with torch.inference_mode():
+        rows = [prefill(model, state, ids, 0, 0)]
+        for i, t in enumerate(tokens):
+            rows.append(decode(model, state, [t], [0], [len(ids) + i]))
+    ours = torch.cat(rows)
+    their_err = (theirs - want).abs().max()
+    assert (ours - want).abs().max() <= 2 * their_err
+
+
+def test_q4_engine_is_batch_invariant(q4_pair):
+    """Through the engine (unpadded decode steps: every projection is 4-bit), four prompts
+    decoding together give what each gives alone."""
+    from engine_util import generate
+
+    from caldrix.engine import Engine
+
+    path = q4_pair[0]
+    engine = Engine.load(path, dtype=torch.bfloat16, max_batch=4, context=256, quantize=True)
+    assert engine.quantized and not engine.pad_decode
+    prompts = [tuple(torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(30 + n)).tolist())
+               for n in (3, 41, 17, 70)]
+    together = generate(engine, prompts, 16, together=True, chunk=16)
+    alone = generate(engine, prompts, 16, together=False, chunk=16)
+    assert together == alone
+
+
+def test_refused_at_start_where_it_cannot_run(q4_pair, tmp_path, qwen35_tokenizer_dir):
+    """`caldrix serve --weights q4` exits 2 naming the flag, before loading, for a float32
+    engine and for an architecture whose loader does not round at load (llama)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama, qwen = tmp_path / "llama", tmp_path / "qwen"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(llama)
+    shutil.copytree(q4_pair[0], qwen)
+    for d in (llama, qwen):  # a tokenizer makes them model directories; nothing reads it before the refusal
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(qwen35_tokenizer_dir / name, d / name)
+    for path, flags, why in ((qwen, ["--dtype", "float32"], "not float32"),
+                             (llama, ["--dtype", "bfloat16"], "not llama")):
+        out = subprocess.run([sys.executable, "-m", "caldrix", "serve", str(path), "--port", "0", "--weights", "q4",
+                              *flags], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert "--weights q4" in out.stderr and why in out.stderr
