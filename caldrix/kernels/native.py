@@ -1,5 +1,5 @@
-"""The decode kernels (attend.cpp; q4mm.cpp's q4_mm and q8_rows; q4mm_f32.cpp), compiled on first use
-and cached.
+"""The decode kernels (attend.cpp; q4mm.cpp's q4_mm and q8_rows; q4mm_f32.cpp; delta.cpp), compiled on
+first use and cached.
 
 `load()` makes `torch.ops.caldrix.decode_attend`, `decode_rope_attend` and `decode_norm` exist
 in this process and says whether they are the compiled kernels. Where they cannot be compiled
@@ -35,8 +35,9 @@ import torch.nn.functional as F
 log = logging.getLogger("caldrix.engine")
 
 # attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has
-# AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2, FMA and F16C
-SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp")]
+# AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2, FMA and F16C; delta.cpp: delta_decode
+# (Qwen3.5's linear-attention decode step, plain C++)
+SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
 _lock = threading.Lock()
@@ -251,6 +252,12 @@ def has_q4_mm() -> bool:
     """Whether the compiled caldrix::q4_mm (q4mm.cpp) is here: built only for CPUs with
     AVX512-BF16, and never in the torch fallback (torch's int4 kernel serves there)."""
     return load() and _q4_mm
+
+
+def has_delta_decode() -> bool:
+    """Whether the compiled caldrix::delta_decode (delta.cpp) is here; without it Qwen3.5's
+    decode runs the same maths as torch ops (models/qwen3_5.py)."""
+    return load() and _has_op("delta_decode")
 
 
 def has_q4_mm_f32() -> bool:

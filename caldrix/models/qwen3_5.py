@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from caldrix.kernels import native
 from caldrix.kernels.packed import PackedLinear, pack_linears
 from caldrix.kernels.q4_quantize import QuantizedLinear, fits, quantize_linears
 from caldrix.models import gated_delta
@@ -124,6 +125,13 @@ class Qwen35Config:
         )
 
 
+def native_delta(device) -> bool:
+    """Whether a linear layer's decode step runs as caldrix::delta_decode (kernels/delta.cpp):
+    on the CPU where the kernels compiled, for every step of the process or none (its float
+    sums are not torch's, and a reply must not depend on the step)."""
+    return torch.device(device).type == "cpu" and native.has_delta_decode()
+
+
 def dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in `dtype`, contiguous, in one copy (x.to(dtype) keeps a transposed layout)."""
     return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
@@ -190,8 +198,14 @@ class LinearAttention(nn.Module):
         cfg = self.cfg
         T = x.shape[0]
         nk, nv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
-        mixed, z, b, a = self.w_in(x).split(self.sizes, dim=-1)
+        proj = self.w_in(x)  # [T, W + nv*dv + 2*nv]
         conv_state, rec_state = state.conv[self.slot], state.rec[self.slot]  # [S, W, K-1], [S, nv, dk, dv]
+        if (at.kind == "decode" or T == 1) and native_delta(x.device):
+            # the whole step below, one row per slot, as one compiled call (kernels/delta.cpp)
+            o = torch.ops.caldrix.delta_decode(proj.contiguous(), conv_state, self.conv, rec_state, list(at.slots),
+                                               self.neg_a, self.dt_bias, self.norm, nk, dk, dv, cfg.rms_norm_eps)
+            return self.out(o)
+        mixed, z, b, a = proj.split(self.sizes, dim=-1)
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [T, nv], log-space decay <= 0
         beta = b.sigmoid().float()
         if at.kind == "decode" or T == 1:
