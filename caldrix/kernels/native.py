@@ -36,8 +36,10 @@ log = logging.getLogger("caldrix.engine")
 
 # attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has
 # AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2, FMA and F16C; delta.cpp: delta_decode
-# (Qwen3.5's linear-attention decode step, plain C++)
-SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp")]
+# (Qwen3.5's linear-attention decode step, plain C++); q4vnni.cpp: q4_vnni, where it has
+# AVX512-VNNI (--weights q4's blocks)
+SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp",
+                                                                  "q4vnni.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
 _lock = threading.Lock()
@@ -258,6 +260,12 @@ def has_delta_decode() -> bool:
     """Whether the compiled caldrix::delta_decode (delta.cpp) is here; without it Qwen3.5's
     decode runs the same maths as torch ops (models/qwen3_5.py)."""
     return load() and _has_op("delta_decode")
+
+
+def has_q4_vnni() -> bool:
+    """Whether the compiled caldrix::q4_vnni (q4vnni.cpp) is here: built for CPUs with
+    AVX512-VNNI; without it `--weights q4` layers take torch's int4 kernel."""
+    return load() and _has_op("q4_vnni")
 
 
 def has_q4_mm_f32() -> bool:

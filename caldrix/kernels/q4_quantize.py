@@ -7,17 +7,21 @@ third, which is how llama.cpp and Ollama serve models by default.
 
 The rounding is ggml's Q4_1 (quantize_row_q4_1_ref): in each group of 32 weights of a row,
 d = (max - min) / 15 and m = min, both kept as float16, and q = floor((w - min) / d + 0.5)
-clamped to 0..15, so w ~ d * q + m. The blocks then go to torch's int4 weight-only kernel
-(the one a GGUF's blocks take where caldrix's kernel is not built, kernels/q4.py), whose scale
-d and zero m + 8 d are bfloat16: the values `dequantize` rebuilds.
+clamped to 0..15, so w ~ d * q + m.
 
-Which calls take which kernel: torch's kernel is 2.5x faster than the packed bfloat16 matmul
-at one row and about ten times slower at a few hundred, so a layer runs it for calls of up to
-`max_int4_rows` rows (every decode step, a verify pass) and a packed bfloat16 copy of the
-same dequantized weights for longer ones (prompt chunks). The model is the 4-bit model either
-way: the copy holds the blocks' values, not the checkpoint's. Measured on 2 cores (AMX Xeon),
-one thread, one row: a 3584 x 1024 projection 0.25 ms against 0.63 ms packed bfloat16; the
-248320 x 1024 head 15 ms against 50 ms.
+The kernel, chosen once a process: caldrix::q4_vnni (kernels/q4vnni.cpp, CPUs with
+AVX512-VNNI) takes the blocks as they are and rounds each activation row to 8 bits a block,
+as llama.cpp's Q4_1 x Q8_1 dot product does; it reads the weights at about what memory gives
+(11 GB/s on one core here, 24 on two, for the 248320 x 1024 head: 14.3 / 6.6 ms). Elsewhere
+torch's int4 weight-only kernel (bfloat16 activations, scale d and zero m + 8 d in bfloat16)
+serves: 15.6 / 8.9 ms for that head, against 50 ms for the bfloat16 matmul on one core.
+
+Which calls take which kernel: the 4-bit kernels are fast at a few rows and about ten times
+slower than the packed bfloat16 matmul at a few hundred, so a layer runs its 4-bit kernel for
+calls of up to `max_int4_rows` rows (every decode step, a verify pass) and a packed bfloat16
+copy of the same dequantized weights for longer ones (prompt chunks: a prompt's last row, and
+so a decider's reading, is computed with bfloat16 activations). The model is the 4-bit model
+either way: the copy holds the blocks' values, not the checkpoint's.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def usable(dtype: torch.dtype, device) -> bool:
 
 
 def fits(out_features: int, in_features: int) -> bool:
-    """Whether torch's int4 kernel takes an [out, in] weight: rows in sixteens, whole groups."""
+    """Whether the 4-bit kernels take an [out, in] weight: rows in sixteens, whole groups."""
     return out_features % 16 == 0 and in_features % GROUP == 0
 
 
@@ -72,48 +76,82 @@ def torch_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[tor
     return packed, scale_zero
 
 
-def dequantize(q: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """The bfloat16 weights [N, K] torch's kernel computes with: (q - 8) * scale + zero, with
-    the bfloat16 scale and zero, in float32, rounded once."""
+def vnni_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q uint8 [N, K], d and m [N, K / 32] (float16 values) -> caldrix::q4_vnni's operands
+    (kernels/q4vnni.cpp): qw uint8 [N / 16, K / 8, 64], per group of 16 columns and octet of k's
+    byte 4c + j = column c's k j | k j + 4 << 4; dm float16 [N / 16, K / 32, 2, 16]."""
     n, k = q.shape
-    out = torch.empty(n, k, dtype=torch.bfloat16)
-    for i in range(0, n, SLICE_ROWS):
-        scale = scale_zero[:, i:i + SLICE_ROWS, 0].t().float()[..., None]  # [rows, K / GROUP, 1]
-        zero = scale_zero[:, i:i + SLICE_ROWS, 1].t().float()[..., None]
-        g = q[i:i + SLICE_ROWS].float().view(-1, k // GROUP, GROUP)
-        out[i:i + SLICE_ROWS] = ((g - 8) * scale + zero).view(-1, k).to(torch.bfloat16)
-    return out
+    g = q.view(n // 16, 16, k // 8, 8).permute(0, 2, 1, 3)  # [groups, octets, column, k in octet]
+    qw = (g[..., :4] | (g[..., 4:] << 4)).reshape(n // 16, k // 8, 64).contiguous()
+    dm = torch.stack([d, m]).half().view(2, n // 16, 16, k // GROUP).permute(1, 3, 0, 2).contiguous()
+    return qw, dm
+
+
+def vnni() -> bool:
+    """Whether `--weights q4` layers run caldrix::q4_vnni (compiled where the CPU has
+    AVX512-VNNI), else torch's int4 kernel; one answer a process, so every layer rounds alike."""
+    from caldrix.kernels import native
+
+    return native.has_q4_vnni()
 
 
 class QuantizedLinear(nn.Module):
     """y = x @ W.T (bfloat16 rows, bias-free) with W rounded to 4-bit groups at construction.
 
-    Calls of up to `max_int4_rows` rows run torch's int4 kernel on the blocks; longer ones the
-    dequantized weights, packed for oneDNN where it can (`dense`). With `dense_copy=False`
-    (the head, whose long calls are rare: a verify pass's rows) no copy is kept and every call
-    takes the 4-bit kernel. Each row's result does not depend on the row count in either
-    kernel, so a reply does not depend on its batch mates."""
+    Calls of up to `max_int4_rows` rows run a 4-bit kernel on the blocks: caldrix::q4_vnni
+    where it is compiled (activations rounded to 8 bits a block, kernels/q4vnni.cpp), else
+    torch's int4 kernel (bfloat16 activations). Longer calls (prompt chunks) run the
+    dequantized weights (`dequantized`), packed for oneDNN where it can (`dense`). With
+    `dense_copy=False` (the head, whose long calls are rare: a verify pass's rows) no copy is
+    kept and every call takes the 4-bit kernel. Each row's result does not depend on the row
+    count in any of the kernels, so a reply does not depend on its batch mates."""
 
     def __init__(self, weight: torch.Tensor, max_int4_rows: int, dense_copy: bool = True):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         q, d, m = q4_1(weight)
-        packed, scale_zero = torch_layout(q, d, m)
+        self.vnni = vnni()
+        packed, scales = (vnni_layout if self.vnni else torch_layout)(q, d, m)
         self.register_buffer("packed", packed)
-        self.register_buffer("scale_zero", scale_zero)
+        self.register_buffer("scales", scales)
         self.max_int4_rows = max_int4_rows
         self.dense: nn.Module | None = None
         if dense_copy:
-            w = dequantize(q, scale_zero)
+            w = dequantized(q, d, m, self.vnni)
             self.dense = PackedLinear(w) if can_pack(torch.bfloat16, "cpu") else _Plain(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.dense is not None and rows.shape[0] > self.max_int4_rows:
             y = self.dense(rows)
+        elif self.vnni:
+            y = torch.ops.caldrix.q4_vnni(rows.contiguous(), self.packed, self.scales)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def dequantized(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, vnni: bool) -> torch.Tensor:
+    """bfloat16 [N, K]: the weights the 4-bit kernel computes with, in float32, rounded once:
+    d q + m for caldrix::q4_vnni (float16 d and m, as the blocks hold them); (q - 8) scale +
+    zero with bfloat16 scale = d and zero = m + 8 d for torch's kernel (torch_layout's)."""
+    n, k = q.shape
+    if vnni:
+        scale, zero, shift = d, m, 0.0
+    else:
+        scale, zero, shift = d.to(torch.bfloat16).float(), (m + 8 * d).to(torch.bfloat16).float(), 8.0
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    for i in range(0, n, SLICE_ROWS):
+        g = q[i:i + SLICE_ROWS].float().view(-1, k // GROUP, GROUP)
+        out[i:i + SLICE_ROWS] = ((g - shift) * scale[i:i + SLICE_ROWS, :, None]
+                                 + zero[i:i + SLICE_ROWS, :, None]).view(-1, k)
+    return out
+
+
+def layer_weights(weight: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 weights a QuantizedLinear of `weight` computes with (tests hold the layer,
+    and transformers on these weights, to it)."""
+    return dequantized(*q4_1(weight), vnni())
 
 
 class _Plain(nn.Module):
