@@ -52,10 +52,14 @@ def pack_linears(module: nn.Module) -> int:
     """Swap every bias-free nn.Linear under `module` (other layer types, 4-bit ones included, stay
     as they are) for a PackedLinear of its weight: the same bits as the plain matmul. Returns
     how many it swapped. For model files' pack() steps, where can_pack says so."""
+    def takes(child: nn.Module) -> bool:
+        return type(child) is nn.Linear and child.bias is None
+
     count = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.bias is None:
-                setattr(parent, name, PackedLinear(child.weight))
-                count += 1
+    # parents only: a list holding the Linear modules themselves would keep every plain weight
+    # alive until the last is packed
+    for parent in [m for m in module.modules() if any(takes(c) for c in m.children())]:
+        for name in [n for n, c in parent.named_children() if takes(c)]:
+            setattr(parent, name, PackedLinear(getattr(parent, name).weight))
+            count += 1
     return count

@@ -166,15 +166,19 @@ class _Plain(nn.Module):
 
 
 def quantize_linears(module: nn.Module, max_int4_rows: int) -> int:
-    """Swap every bias-free nn.Linear under `module` whose shape torch's kernel takes for a
+    """Swap every bias-free nn.Linear under `module` whose shape the 4-bit kernels take for a
     QuantizedLinear (the others stay dense), freeing each dense weight as it goes. Returns how
     many it swapped."""
+    def takes(child: nn.Module) -> bool:
+        return type(child) is nn.Linear and child.bias is None and fits(*child.weight.shape)
+
     count = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.bias is None and fits(*child.weight.shape):
-                setattr(parent, name, QuantizedLinear(child.weight.detach(), max_int4_rows))
-                count += 1
+    # parents only: a list holding the Linear modules themselves would keep every dense weight
+    # alive to the end, twice the model's bytes at the peak
+    for parent in [m for m in module.modules() if any(takes(c) for c in m.children())]:
+        for name in [n for n, c in parent.named_children() if takes(c)]:
+            setattr(parent, name, QuantizedLinear(getattr(parent, name).weight.detach(), max_int4_rows))
+            count += 1
     return count
 
 
