@@ -109,7 +109,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32")
     g.add_argument("--weights", choices=["auto", "dense", "q4"], default="auto",
                    help="auto: a GGUF's Q4_1 blocks stay 4-bit on the cpu lane (bfloat16, or float32 on AVX2 CPUs); "
-                        "dense: dequantized; q4: as auto, and a Qwen3.5 model's weights rounded to 4-bit groups at load")
+                        "dense: dequantized; q4: as auto, and a Hugging Face directory's weights rounded to 4-bit groups at load")
     g.add_argument("--context", type=_int_at_least(16), default=None,
                    help="KV rows per sequence (default: the model's maximum, capped at 8192)")
     g.add_argument("--max-batch", type=_int_at_least(1), default=None,

@@ -129,7 +129,7 @@ def _int4_source(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> Path | 
 
 
 # The architectures whose loader rounds dense weights to 4-bit groups (`--weights q4`).
-QUANTIZES = ("qwen3_5", "qwen3_5_text")
+QUANTIZES = ("llama", "qwen3", "qwen3_5", "qwen3_5_text")
 
 
 def _quantize(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> bool:
@@ -143,8 +143,8 @@ def _quantize(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> bool:
         return False
     arch = architecture_of(model_dir)
     if arch not in QUANTIZES:
-        raise FlagError(f"--weights q4: rounding weights to 4 bits at load is for Qwen3.5 models, not {arch}; "
-                        "a llama-family model takes 4-bit weights from its GGUF (--weights auto)")
+        raise FlagError(f"--weights q4: rounding weights to 4 bits at load is for text models ({', '.join(QUANTIZES)}), "
+                        f"not {arch}")
     if lane != "cpu" or not q4_quantize.usable(dtype, "cpu"):
         raise FlagError(f"--weights q4 needs the cpu lane and bfloat16 (torch's int4 kernel), not "
                         f"{str(dtype).removeprefix('torch.')} on the {lane} lane")
@@ -171,6 +171,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         raise FlagError(refused)
     device = LANE_DEVICES[lane]
     dtype = resolve_dtype(cfg.dtype, device)
+    quantize = _quantize(cfg, src.path, lane, dtype)  # refused here, before anything loads
     if cfg.weight_budget is not None:
         from caldrix.weight_budget import budget_refusal
 
@@ -185,7 +186,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     else:
         engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
                              int4_from=_int4_source(cfg, src.path, lane, dtype), weight_budget=cfg.weight_budget,
-                             quantize=_quantize(cfg, src.path, lane, dtype))
+                             quantize=quantize)
     if lane != "host":
         # the AMD lane's batched pick (http-api.md "Sampling"); the telemetry names it from this
         engine.picks_on_device = uses_device_pick(lane, cfg.max_batch, cfg.sampler)

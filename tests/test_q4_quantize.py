@@ -1,9 +1,10 @@
 """--weights q4: weights rounded to 4-bit groups at load (caldrix/kernels/q4_quantize.py).
 
 The rounding is held to ggml's own Q4_1 quantizer (the `gguf` package's numpy port of
-quantize_row_q4_1_ref), the layer to the matmul on its dequantized weights, and a tiny random
-Qwen3.5 whose every projection and head are 4-bit to transformers running the same
-dequantized weights: the served model is the 4-bit model, computed right.
+quantize_row_q4_1_ref), the layer to the matmul on its dequantized weights, and tiny random
+Qwen3.5, Llama and Qwen3 models whose every projection and head are 4-bit to transformers
+running the same dequantized weights (and, on its decode steps, the same 8-bit rounding of the
+activations where caldrix::q4_vnni serves): the served model is the 4-bit model, computed right.
 """
 
 from __future__ import annotations
@@ -85,21 +86,27 @@ def test_a_rows_result_does_not_depend_on_the_row_count(two_threads):
     assert torch.equal(layer(x), alone)
 
 
-# ---- a tiny Qwen3.5 whose every projection and head torch's kernel takes ----
+# ---- tiny models whose every projection and head the 4-bit kernels take ----
 
 transformers = pytest.importorskip("transformers")
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig,  # noqa: E402
+                          Qwen3Config, Qwen3ForCausalLM)
 
-from caldrix.models.qwen3_5_load import load  # noqa: E402
+from caldrix.models import loader  # noqa: E402
 
-# Shapes torch's kernel takes throughout (rows in sixteens, K in groups of 32): the linear
+# Shapes the kernels take throughout (rows in sixteens, K in groups of 32). Qwen3.5's linear
 # layers' fused input projection has 2*16*8 + 16*8 (conv) + 128 (z) + 16 (b) + 16 (a) = 544 rows.
-TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=8,
-            linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=1024, num_hidden_layers=3,
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                             "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+QWEN35 = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=1024, num_hidden_layers=3,
+              layer_types=["linear_attention", "full_attention", "linear_attention"],
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                               "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=2, max_position_embeddings=1024)
+QWEN3 = dict(LLAMA, head_dim=16)
+MODELS = {"qwen3_5": (Qwen3_5ForCausalLM, Qwen3_5TextConfig, QWEN35), "llama": (LlamaForCausalLM, LlamaConfig, LLAMA),
+          "qwen3": (Qwen3ForCausalLM, Qwen3Config, QWEN3)}
 
 
 def as_4bit(w: torch.Tensor) -> torch.Tensor:
@@ -107,19 +114,21 @@ def as_4bit(w: torch.Tensor) -> torch.Tensor:
     return layer_weights(w).float()
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+@pytest.fixture(scope="module", params=[("qwen3_5", True), ("qwen3_5", False), ("llama", True), ("llama", False),
+                                        ("qwen3", False)], ids=lambda p: f"{p[0]}-{'tied' if p[1] else 'untied'}")
 def q4_pair(request, tmp_path_factory):
     """(the checkpoint's directory, caldrix's q4 load of it, transformers on the dequantized
     weights in float32, and in bf16)."""
-    tie = request.param
+    arch, tie = request.param
+    cls, config, shape = MODELS[arch]
     torch.manual_seed(7)
-    ref = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, tie_word_embeddings=tie))
+    ref = cls(config(**shape, tie_word_embeddings=tie))
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, 0.3 if p.dim() == 1 else 0.12)
     path = tmp_path_factory.mktemp("q4") / "tiny"
     ref.to(torch.bfloat16).save_pretrained(path)  # the checkpoint caldrix quantizes: bf16 weights
-    got = load(path, dtype=torch.bfloat16, int4_rows=9, quantize=True)
+    got = loader(path)(path, dtype=torch.bfloat16, int4_rows=9, quantize=True)
     # transformers on the 4-bit weights: every projection and the head dequantized, the
     # embedding as saved (the lookup keeps plain rows), so the head is untied there
     sd = {k: v.float() for k, v in ref.state_dict().items()}
@@ -127,9 +136,9 @@ def q4_pair(request, tmp_path_factory):
         if ("proj" in name and sd[name].dim() == 2) or name == "lm_head.weight":  # q_proj, in_proj_z, ...
             sd[name] = as_4bit(sd[name].bfloat16())
     sd["lm_head.weight"] = as_4bit(sd["model.embed_tokens.weight"].bfloat16()) if tie else sd["lm_head.weight"]
-    untied = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, tie_word_embeddings=False)).eval()
+    untied = cls(config(**shape, tie_word_embeddings=False)).eval()
     untied.load_state_dict(sd)
-    ref16 = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, tie_word_embeddings=False)).eval()
+    ref16 = cls(config(**shape, tie_word_embeddings=False)).eval()
     ref16.load_state_dict(sd)
     return path, got, untied, ref16.to(torch.bfloat16)
 
@@ -146,7 +155,8 @@ def test_every_projection_and_the_head_are_4bit(q4_pair):
     assert isinstance(model.head, QuantizedLinear) and model.head.dense is None
     assert got.int4_layers == len(linears) + 1 and not got.row_count_dependent
     assert model.embed.weight.dtype == torch.bfloat16  # the lookup's rows stay as loaded
-    assert model.read_logits(torch.zeros(1, 64, dtype=torch.bfloat16), (1, 2)) is None  # the whole head reads
+    if hasattr(model, "read_logits"):  # Qwen3.5's label reading takes the whole head
+        assert model.read_logits(torch.zeros(1, 64, dtype=torch.bfloat16), (1, 2)) is None
 
 
 def int8_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -168,9 +178,7 @@ def test_q4_model_is_transformers_on_the_dequantized_weights(q4_pair):
     own bf16 run of them is (within a factor of 2). Where the kernel is caldrix::q4_vnni, the
     float32 run's decode steps round each 4-bit layer's input to 8 bits as it does
     (`int8_rows`), so the comparison is of the same function."""
-    from test_qwen3_5 import decode, prefill
-
-    from caldrix.models.qwen3_5 import Qwen35
+    from caldrix.models.base import Attend
 
     path, got, ref, ref16 = q4_pair
     model = got.model
@@ -191,6 +199,7 @@ def test_q4_model_is_transformers_on_the_dequantized_weights(q4_pair):
                 w = saved.get(name + ".weight", saved.get("model.embed_tokens.weight") if name == "lm_head" else None)
                 hooks.append(module.register_forward_hook(as_kernel(w)))
     ids = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(3))
+    assert len(hooks) == (sum(isinstance(m, torch.nn.Linear) for m in ref.modules()) if q4_quantize.vnni() else 0)
     try:
         with torch.no_grad():
             out = ref(input_ids=ids[None], use_cache=True)
@@ -207,11 +216,17 @@ def test_q4_model_is_transformers_on_the_dequantized_weights(q4_pair):
             h.remove()
     with torch.no_grad():
         theirs = ref16(input_ids=torch.cat([ids, torch.tensor(tokens)])[None]).logits[0].float()
-    state = Qwen35.new_state(model.cfg, 2, 256, torch.bfloat16, "cpu")
+    state = type(model).new_state(model.cfg, 2, 256, torch.bfloat16, "cpu")
+    native = bool(getattr(model, "uses_native", lambda d: False)("cpu"))  # llama's compiled decode attention
+    if hasattr(model, "setup"):
+        model.setup(256)
     with torch.inference_mode():
-        rows = [prefill(model, state, ids, 0, 0)]
+        at = torch.arange(len(ids))
+        rows = [model.logits(model(ids, Attend("prefill", (0,), at, at), state))]
         for i, t in enumerate(tokens):
-            rows.append(decode(model, state, [t], [0], [len(ids) + i]))
+            pos = torch.tensor([len(ids) + i])
+            step = Attend("decode", (0,), pos, pos, (len(ids) + i + 1,), torch.tensor([0]), native)
+            rows.append(model.logits(model(torch.tensor([t]), step, state)))
     ours = torch.cat(rows)
     their_err = (theirs - want).abs().max()
     assert (ours - want).abs().max() <= 2 * their_err
@@ -236,23 +251,29 @@ def test_q4_engine_is_batch_invariant(q4_pair):
 
 def test_refused_at_start_where_it_cannot_run(q4_pair, tmp_path, qwen35_tokenizer_dir):
     """`caldrix serve --weights q4` exits 2 naming the flag, before loading, for a float32
-    engine and for an architecture whose loader does not round at load (llama)."""
+    engine, off the cpu lane, and for an architecture whose loader does not round (idefics3)."""
+    import json
     import shutil
     import subprocess
     import sys
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    if q4_pair[1].model.cfg.hidden_size != 64 or not hasattr(q4_pair[1].model, "read_logits"):
+        pytest.skip("once, on a Qwen3.5 variant")
+    model, vision = tmp_path / "model", tmp_path / "vision"
+    shutil.copytree(q4_pair[0], model)
+    vision.mkdir()
+    (vision / "config.json").write_text(json.dumps({"model_type": "idefics3",
+                                                    "architectures": ["Idefics3ForConditionalGeneration"]}))
+    from safetensors.torch import save_file
 
-    llama, qwen = tmp_path / "llama", tmp_path / "qwen"
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2)).save_pretrained(llama)
-    shutil.copytree(q4_pair[0], qwen)
-    for d in (llama, qwen):  # a tokenizer makes them model directories; nothing reads it before the refusal
+    save_file({"unread": torch.zeros(1)}, str(vision / "model.safetensors"))  # refused before it is read
+    for d in (model, vision):  # a tokenizer makes them model directories; nothing reads it before the refusal
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(qwen35_tokenizer_dir / name, d / name)
-    for path, flags, why in ((qwen, ["--dtype", "float32"], "not float32"),
-                             (llama, ["--dtype", "bfloat16"], "not llama")):
+    for path, flags, why in ((model, ["--dtype", "float32"], "not float32"),
+                             (model, ["--dtype", "bfloat16", "--backend", "host"], "on the host lane"),
+                             (vision, ["--dtype", "bfloat16"], "not idefics3")):
         out = subprocess.run([sys.executable, "-m", "caldrix", "serve", str(path), "--port", "0", "--weights", "q4",
                               *flags], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2, out.stderr
-        assert "--weights q4" in out.stderr and why in out.stderr
+        assert "--weights q4" in out.stderr and why in out.stderr, out.stderr

@@ -23,6 +23,7 @@ from torch import nn
 from caldrix.kernels import native
 from caldrix.kernels.ops import apply_rope, rms_norm
 from caldrix.kernels.packed import pack_linears
+from caldrix.kernels.q4_quantize import QuantizedLinear, fits, quantize_linears
 from caldrix.kernels.q4 import Q8Embedding
 from caldrix.models.base import Attend, KVCache, attend_cached, input_rows
 
@@ -186,7 +187,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.head: nn.Module | None = None  # a quantized stand-in for the lm_head: hidden -> fp32 logits
+        self.head: nn.Module | None = None  # a quantized stand-in for the lm_head (GGUF blocks or --weights q4)
         # scripted.decode_stack and its weights, set by the loader when every layer is 4-bit
         # llama: a decode-form pass through all layers as one TorchScript call.
         self.stack_fn = None
@@ -216,6 +217,23 @@ class Decoder(nn.Module):
         128-row chunks 546 -> 475 ms, a decode step 36 -> 31 ms. For loaders, where
         kernels.packed.can_pack says so (bfloat16 on a CPU with oneDNN's bf16 support)."""
         pack_linears(self.layers)
+
+    def quantize(self, max_int4_rows: int) -> int:
+        """`--weights q4` (bfloat16 on the CPU: kernels/q4_quantize.py): the head and every
+        projection the 4-bit kernels take become 4-bit groups, the projections with a packed
+        copy of their dequantized weights for calls past `max_int4_rows` rows; what they cannot
+        take is packed as pack() would. The embedding stays as loaded. Returns how many layers
+        became 4-bit, the head among them."""
+        head_w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        count = 0
+        if fits(*head_w.shape):
+            # no dense copy: only a verify pass calls the head with more than a step's rows
+            self.head = QuantizedLinear(head_w.detach(), max_int4_rows, dense_copy=False)
+            self.lm_head = None if self.lm_head is None else self.head
+            count = 1
+        count += quantize_linears(self.layers, max_int4_rows)
+        pack_linears(self.layers)
+        return count
 
     def setup_rope(self, rows: int) -> None:
         self.cos, self.sin = rope_tables(self.cfg, rows, self.norm.weight.device)
@@ -258,6 +276,6 @@ class Decoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits [N, V]."""
         if self.head is not None:
-            return self.head(self.norm(hidden))
+            return self.head(self.norm(hidden)).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(hidden), w).float()

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from caldrix.kernels import native, scripted
+from caldrix.kernels import native, q4_quantize, scripted
 from caldrix.kernels.packed import can_pack
 from caldrix.kernels.q4 import (
     Q4_1,
@@ -48,8 +48,12 @@ def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path
     kernel where a layer keeps dense weights beside its blocks (torch's kernel); `max_batch`: the
     most decode rows a step has (the head's kernel is chosen by it, below)."""
     if quantize:
-        raise ValueError("--weights q4 rounds weights to 4 bits at load for Qwen3.5 models only; a llama-family "
-                         "model takes its 4-bit weights from a GGUF (--weights auto)")
+        if int4_from is not None or not (pack and q4_quantize.usable(dtype, device)):
+            raise ValueError("--weights q4 needs --dtype bfloat16 on the cpu lane and a Hugging Face directory "
+                             "(a GGUF keeps its own 4-bit blocks)")
+        model = load_decoder(path, dtype, device)
+        layers = model.quantize(int4_rows)
+        return Loaded(model, row_count_dependent=q4_quantize.dense_left(model.layers), int4_layers=layers)
     skip: frozenset[str] = frozenset()
     if int4_from is not None:
         if not runs_4bit(dtype, device):
