@@ -20,7 +20,7 @@ def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path
         raise ValueError("idefics3: GGUF weights are not supported for this architecture; serve its "
                          "Hugging Face directory (safetensors)")
     if quantize:
-        raise ValueError("--weights q4 rounds weights to 4 bits at load for Qwen3.5 models only, not idefics3")
+        raise ValueError("--weights q4 rounds a text model's weights to 4 bits at load; not idefics3")
     if device != "cpu":
         raise ValueError("idefics3 (SmolVLM) runs on the cpu lane only")
     return Loaded(load_idefics3(Path(path), dtype, device))

@@ -305,8 +305,8 @@ class Qwen35(nn.Module):
 
     def quantize(self, max_int4_rows: int) -> int:
         """`--weights q4` (bfloat16 on the CPU: kernels/q4_quantize.py): the head and every
-        projection torch's int4 kernel takes become 4-bit groups, the projections with a packed
-        copy of their dequantized weights for calls past `max_int4_rows` rows; what it cannot
+        projection the 4-bit kernels take become 4-bit groups, the projections with a packed
+        copy of their dequantized weights for calls past `max_int4_rows` rows; what they cannot
         take is packed as pack() would. The embedding stays as loaded (the lookup reads plain
         rows). Returns how many layers became 4-bit, the head among them."""
         head_w = self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -26,11 +26,11 @@ def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path
     if not quantize:
         return Loaded(load_qwen35(Path(path), dtype, device, pack=pack))
     if not (pack and q4_quantize.usable(dtype, device)):
-        raise ValueError("--weights q4 needs --dtype bfloat16 on the cpu lane (torch's int4 kernel), "
+        raise ValueError("--weights q4 needs --dtype bfloat16 on the cpu lane, "
                          f"not {str(dtype).removeprefix('torch.')} on {device}")
     model = load_qwen35(Path(path), dtype, device, pack=False)
     layers = model.quantize(int4_rows)
-    # torch's int4 kernel gives a row the same bits at any row count, but the layers it cannot
+    # the 4-bit kernels give a row the same bits at any row count, but the layers they cannot
     # take stay dense: pad decode steps unless every projection is 4-bit
     return Loaded(model, row_count_dependent=q4_quantize.dense_left(model), int4_layers=layers)
 
