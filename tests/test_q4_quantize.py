@@ -73,6 +73,27 @@ def test_layer_is_the_matmul_on_its_dequantized_weights():
         assert ((got - want).abs() <= 2 ** -8 * want.abs().max() + slack).all(), rows
 
 
+@settings(max_examples=30, deadline=None)
+@given(groups=st.integers(1, 4), blocks=st.integers(1, 6), rows=st.integers(1, 9), seed=st.integers(0, 2 ** 16),
+       xscale=st.sampled_from([1e-3, 1.0, 50.0]), zero_block=st.booleans())
+def test_vnni_kernel_is_its_arithmetic(groups, blocks, rows, seed, xscale, zero_block):
+    """caldrix::q4_vnni against its arithmetic in float32 (`int8_rows`: x rounded to 8 bits a
+    block, d q summed against it, m against x's exact block sums), to the bfloat16 rounding
+    of the outputs; an all-zero block of x included."""
+    if not q4_quantize.vnni():
+        pytest.skip("caldrix::q4_vnni is not compiled here (no AVX512-VNNI)")
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16 * groups, 32 * blocks, generator=g).bfloat16()
+    x = (torch.randn(rows, 32 * blocks, generator=g) * xscale).bfloat16()
+    if zero_block:
+        x[:, :32] = 0
+    layer = QuantizedLinear(w, max_int4_rows=9, dense_copy=False)
+    want = int8_rows(x, w)
+    got = layer(x).float()
+    size = int8_rows(x, w, magnitude=True)
+    assert ((got - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * size).all()
+
+
 def test_a_rows_result_does_not_depend_on_the_row_count(two_threads):
     """On the 4-bit path each row of a call of 1..9 rows equals the same row alone, on two
     threads as on one: the engine runs a q4 model's decode steps unpadded on this."""
@@ -159,16 +180,21 @@ def test_every_projection_and_the_head_are_4bit(q4_pair):
         assert model.read_logits(torch.zeros(1, 64, dtype=torch.bfloat16), (1, 2)) is None
 
 
-def int8_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def int8_rows(x: torch.Tensor, w: torch.Tensor, magnitude: bool = False) -> torch.Tensor:
     """caldrix::q4_vnni's arithmetic in float32 for a QuantizedLinear of `w` (bf16 [N, K]):
     sum_b d_b (q_b . xq_b dx_b) + m_b sum(x_b), x [..., K] rounded to 8 bits a block of 32."""
     q, d, m = q4_1(w)
     k = q.shape[1]
     blocks = x.float().reshape(-1, k // 32, 32)
-    dx = blocks.abs().amax(-1, keepdim=True) / 127
-    xq = torch.where(dx > 0, torch.round(blocks / torch.where(dx > 0, dx, 1)), 0) * dx
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # as the kernel: x * (127 / max), the quotient rounded once (torch's `127 / t` is 127 * (1 / t),
+    # two roundings, which moved a tie like 63.5 to the other side)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1), 0)
+    xq = torch.round(blocks * inv) * (amax / 127)
     scaled = (q.float().view(-1, k // 32, 32) * d[..., None]).view(-1, k)
     y = xq.reshape(-1, k) @ scaled.t() + blocks.sum(-1) @ m.t()
+    if magnitude:  # the sum of the terms' sizes, which float32's rounding scales with
+        y = xq.reshape(-1, k).abs() @ scaled.abs().t() + blocks.sum(-1).abs() @ m.abs().t()
     return y.view(*x.shape[:-1], -1)
 
 
