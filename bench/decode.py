@@ -1,6 +1,7 @@
 """Decode throughput: caldrix's engine against transformers generate, same model, one run.
 
     .venv/bin/python bench/decode.py [--model MODEL] [--tokens 128] [--dtype auto] [--threads N]
+        [--weights auto|dense|q4] [--skip-hf]
 
 Prints single-stream greedy tok/s and aggregate tok/s at 8 concurrent sequences for both, and
 their ratios. The caldrix numbers go through the real scheduler and engine (steps inline, no
@@ -81,7 +82,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--weights", choices=["auto", "dense"], default="auto", help="as caldrix serve --weights")
+    ap.add_argument("--weights", choices=["auto", "dense", "q4"], default="auto", help="as caldrix serve --weights")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     if args.threads:
@@ -92,8 +93,9 @@ def main() -> None:
     n = args.tokens
     from caldrix.weights.gguf import source_gguf
 
-    int4 = source_gguf(src.path) if args.weights == "auto" and dtype is torch.bfloat16 else None
-    weights = "int4 GGUF blocks" if int4 else "dense"
+    int4 = source_gguf(src.path) if args.weights in ("auto", "q4") and dtype is torch.bfloat16 else None
+    quantize = args.weights == "q4" and int4 is None  # a Hugging Face directory rounded at load
+    weights = "int4 GGUF blocks" if int4 else "4-bit groups made at load (--weights q4)" if quantize else "dense"
     progress(f"model {src.served_name}, dtype {dtype}, {weights}, {torch.get_num_threads()} threads, {n} tokens")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,12 +106,12 @@ def main() -> None:
     texts = [tok.decode(x) for x in ids]
     rows: list[tuple[str, float, float]] = []
 
-    e1 = Engine.load(src.path, dtype=dtype, max_batch=1, context=1024, int4_from=int4)
+    e1 = Engine.load(src.path, dtype=dtype, max_batch=1, context=1024, int4_from=int4, quantize=quantize)
     caldrix_run(e1, ids[:1], 8)  # warm-up
     progress("caldrix single stream")
     c1 = n / caldrix_run(e1, ids[:1], n)
     del e1
-    e8 = Engine.load(src.path, dtype=dtype, max_batch=8, context=1024, int4_from=int4)
+    e8 = Engine.load(src.path, dtype=dtype, max_batch=8, context=1024, int4_from=int4, quantize=quantize)
     caldrix_run(e8, ids, 8)
     progress("caldrix 8 streams")
     c8 = 8 * n / caldrix_run(e8, ids, n)
@@ -128,7 +130,7 @@ def main() -> None:
             progress(f"transformers generate, {threads} threads, batch of 8")
             hf[threads] = (h1, 8 * n / hf_run(model, tok, texts, n))
 
-    print(f"\nSmolLM2 decode, {n} greedy tokens, dtype {str(dtype).removeprefix('torch.')}, {weights}, "
+    print(f"\n{src.served_name} decode, {n} greedy tokens, dtype {str(dtype).removeprefix('torch.')}, {weights}, "
           f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.1f}")
     cols = "".join(f"{f'hf {t}T':>10}{'ratio':>7}" for t in hf)
     print(f"{'':28}{'caldrix':>10}{cols}")
