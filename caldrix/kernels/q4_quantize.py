@@ -38,8 +38,8 @@ SLICE_ROWS = 4096
 
 
 def usable(dtype: torch.dtype, device) -> bool:
-    """Whether `--weights q4` can run for an engine of `dtype` on `device`: torch's int4
-    kernel takes bfloat16 rows on the CPU."""
+    """Whether `--weights q4` can run for an engine of `dtype` on `device`: bfloat16 rows on
+    the CPU, with torch's int4 kernel there (the fallback where caldrix::q4_vnni is not built)."""
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and available()
 
 
@@ -163,6 +163,12 @@ class _Plain(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight)
+
+
+def quantize_head(weight: torch.Tensor, max_int4_rows: int) -> QuantizedLinear | None:
+    """The output layer [V, D] as 4-bit groups, with no dense copy (only a verify pass calls it
+    with more than a step's rows), or None where the kernels do not take its shape."""
+    return QuantizedLinear(weight.detach(), max_int4_rows, dense_copy=False) if fits(*weight.shape) else None
 
 
 def quantize_linears(module: nn.Module, max_int4_rows: int) -> int:

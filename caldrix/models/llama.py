@@ -23,7 +23,7 @@ from torch import nn
 from caldrix.kernels import native
 from caldrix.kernels.ops import apply_rope, rms_norm
 from caldrix.kernels.packed import pack_linears
-from caldrix.kernels.q4_quantize import QuantizedLinear, fits, quantize_linears
+from caldrix.kernels.q4_quantize import quantize_head, quantize_linears
 from caldrix.kernels.q4 import Q8Embedding
 from caldrix.models.base import Attend, KVCache, attend_cached, input_rows
 
@@ -224,14 +224,10 @@ class Decoder(nn.Module):
         copy of their dequantized weights for calls past `max_int4_rows` rows; what they cannot
         take is packed as pack() would. The embedding stays as loaded. Returns how many layers
         became 4-bit, the head among them."""
-        head_w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        count = 0
-        if fits(*head_w.shape):
-            # no dense copy: only a verify pass calls the head with more than a step's rows
-            self.head = QuantizedLinear(head_w.detach(), max_int4_rows, dense_copy=False)
-            self.lm_head = None if self.lm_head is None else self.head
-            count = 1
-        count += quantize_linears(self.layers, max_int4_rows)
+        head = quantize_head(self.embed.weight if self.lm_head is None else self.lm_head.weight, max_int4_rows)
+        if head is not None:
+            self.head, self.lm_head = head, None if self.lm_head is None else head
+        count = (head is not None) + quantize_linears(self.layers, max_int4_rows)
         pack_linears(self.layers)
         return count
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from caldrix.kernels import native
 from caldrix.kernels.packed import PackedLinear, pack_linears
-from caldrix.kernels.q4_quantize import QuantizedLinear, fits, quantize_linears
+from caldrix.kernels.q4_quantize import quantize_head, quantize_linears
 from caldrix.models import gated_delta
 from caldrix.models.base import Attend, attend_cached
 from caldrix.models.qwen3_5_state import Qwen35Snapshot, Qwen35State  # noqa: F401 (re-exported)
@@ -301,7 +301,11 @@ class Qwen35(nn.Module):
         oneDNN's bf16 support: see can_pack). The tied head gets a packed copy of the embedding
         (the lookup needs the plain rows): 0.5 GB more at decider-0.8b's shape."""
         pack_linears(self)
-        self.head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed.weight)
+        self.head = self._packed_head()
+
+    def _packed_head(self) -> nn.Module:
+        """The untied lm_head (packed by pack_linears), or a packed copy of the tied embedding."""
+        return self.lm_head if self.lm_head is not None else PackedLinear(self.embed.weight)
 
     def quantize(self, max_int4_rows: int) -> int:
         """`--weights q4` (bfloat16 on the CPU: kernels/q4_quantize.py): the head and every
@@ -309,18 +313,13 @@ class Qwen35(nn.Module):
         copy of their dequantized weights for calls past `max_int4_rows` rows; what they cannot
         take is packed as pack() would. The embedding stays as loaded (the lookup reads plain
         rows). Returns how many layers became 4-bit, the head among them."""
-        head_w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        count = 0
-        if fits(*head_w.shape):
-            # no dense copy: only a verify pass calls the head with more than a step's rows
-            self.head = QuantizedLinear(head_w.detach(), max_int4_rows, dense_copy=False)
-            if self.lm_head is not None:
-                self.lm_head = self.head
-            count = 1
-        count += quantize_linears(self.layers, max_int4_rows)
-        pack_linears(self)
-        if self.head is None:
-            self.head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed.weight)
+        head = quantize_head(self.embed.weight if self.lm_head is None else self.lm_head.weight, max_int4_rows)
+        if head is not None:
+            self.head, self.lm_head = head, None if self.lm_head is None else head
+        count = (head is not None) + quantize_linears(self.layers, max_int4_rows)
+        pack_linears(self)  # what the 4-bit kernels do not take, an unfitting untied head included
+        if head is None:
+            self.head = self._packed_head()
         self.quantized = True
         return count
 
