@@ -37,9 +37,10 @@ log = logging.getLogger("caldrix.engine")
 # attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has
 # AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2, FMA and F16C; delta.cpp: delta_decode
 # (Qwen3.5's linear-attention decode step, plain C++); q4vnni.cpp: q4_vnni, where it has
-# AVX512-VNNI (--weights q4's blocks)
+# AVX512-VNNI (--weights q4's blocks); tower.cpp: tile_attend and gelu_tanh_, where it has AMX-BF16
+# (the vision tower)
 SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp",
-                                                                  "q4vnni.cpp")]
+                                                                  "q4vnni.cpp", "tower.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
 _lock = threading.Lock()
@@ -266,6 +267,12 @@ def has_q4_vnni() -> bool:
     """Whether the compiled caldrix::q4_vnni (q4vnni.cpp) is here: built for CPUs with
     AVX512-VNNI; without it `--weights q4` layers take torch's int4 kernel."""
     return load() and _has_op("q4_vnni")
+
+
+def has_tower_kernels() -> bool:
+    """Whether the compiled caldrix::tile_attend and gelu_tanh_ (tower.cpp) are here: built for
+    CPUs with AMX-BF16; without them the vision tower runs torch's attention and GELU."""
+    return load() and _has_op("tile_attend")
 
 
 def has_q4_mm_f32() -> bool:

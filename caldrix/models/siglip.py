@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from caldrix.kernels import native
 from caldrix.kernels.packed import PackedLinear
 
 
@@ -87,19 +88,36 @@ class EncoderLayer(nn.Module):
         self.fc1 = nn.Linear(d, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, d)
         self.gelu_in_fc1 = False  # pack(): fc1 applies the GELU itself
+        self.tower_kernels = False  # pack(): caldrix::tile_attend and gelu_tanh_ (kernels/tower.cpp)
 
-    def pack(self) -> None:
-        """Swap the four Linears for PackedLinears, the GELU fused into fc1 and the residual sums
-        into wo and fc2 (bfloat16 on a CPU with oneDNN's bf16 support only: kernels.packed.can_pack)."""
+    def pack(self, patches: int) -> None:
+        """Swap the four Linears for PackedLinears, the residual sums fused into wo and fc2
+        (bfloat16 on a CPU with oneDNN's bf16 support only: kernels.packed.can_pack). Where the
+        AMX kernels of kernels/tower.cpp are built and fit (64-wide heads, `patches` a multiple
+        of 32) they take the attention and the GELU; elsewhere oneDNN applies the GELU inside
+        fc1's call and torch's SDPA attends."""
+        self.tower_kernels = native.has_tower_kernels() and self.wo.in_features // self.heads == 64 and patches % 32 == 0
+        # a one-tile pass's fc2 as W g^T (below): oneDNN ran the packed call's 1024 x 768 output
+        # on one thread (4.7 ms; 2.4 this way)
+        self.fc2_plain = self.fc2.weight.detach() if self.tower_kernels else None
         for name in ("wqkv", "wo", "fc2"):
             lin = getattr(self, name)
             setattr(self, name, PackedLinear(lin.weight, lin.bias))
-        self.fc1 = PackedLinear(self.fc1.weight, self.fc1.bias, gelu="tanh")
-        self.gelu_in_fc1 = True
+        # oneDNN's fused tanh-GELU cost as much as fc1's matmul (4 of 9 ms at 2048 x 3072); the
+        # kernel's own pass takes about 2.4
+        self.fc1 = PackedLinear(self.fc1.weight, self.fc1.bias, gelu="" if self.tower_kernels else "tanh")
+        self.gelu_in_fc1 = not self.tower_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N, n, d = x.shape
         h = self.heads
+        if self.tower_kernels:  # packed, with the AMX kernels
+            attn = torch.ops.caldrix.tile_attend(self.wqkv(self.norm1(x)), h, (d // h) ** -0.5)
+            x = self.wo(attn, residual=x)
+            g = torch.ops.caldrix.gelu_tanh_(self.fc1(self.norm2(x)))
+            if N == 1:
+                return x + torch.addmm(self.fc2.bias[:, None], self.fc2_plain, g[0].t()).t()
+            return self.fc2(g, residual=x)
         qkv = self.wqkv(self.norm1(x)).view(N, n, 3, h, d // h).permute(2, 0, 3, 1, 4)  # [3, N, H, n, E]
         attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # every patch sees every patch of its tile
         attn = attn.transpose(1, 2).reshape(N, n, d)
@@ -123,7 +141,7 @@ class SiglipVisionTower(nn.Module):
 
     def pack(self) -> None:
         for layer in self.layers:
-            layer.pack()
+            layer.pack(self.cfg.patches_per_side ** 2)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, C, S, S] (whole tiles) -> [N, n, D]."""

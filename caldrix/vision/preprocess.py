@@ -172,15 +172,15 @@ def to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def _normalise_table(s: ProcessorSettings) -> torch.Tensor:
+def _normalise_table(s: ProcessorSettings) -> np.ndarray:
     """[3, 256] float32: channel c's value for each byte, computed in the processor's order
     (byte * factor in float64, cast to float32, then (x - mean) / std in float32)."""
     scaled = (np.arange(256, dtype=np.float64) * s.rescale_factor).astype(np.float32)
     mean, std = np.array(s.mean, dtype=np.float32), np.array(s.std, dtype=np.float32)
-    return torch.from_numpy(np.stack([(scaled - mean[c]) / std[c] for c in range(3)]))
+    return np.stack([(scaled - mean[c]) / std[c] for c in range(3)])
 
 
-_TABLES: dict[ProcessorSettings, torch.Tensor] = {}
+_TABLES: dict[ProcessorSettings, np.ndarray] = {}
 
 
 def preprocess(im: Image.Image, detail: str, s: ProcessorSettings = SMOLVLM_256M) -> Prepared:
@@ -204,9 +204,11 @@ def preprocess(im: Image.Image, detail: str, s: ProcessorSettings = SMOLVLM_256M
     table = _TABLES.get(s)
     if table is None:
         table = _TABLES[s] = _normalise_table(s)
-    raw = torch.from_numpy(np.stack([np.asarray(f) for f in frames])).permute(0, 3, 1, 2).long()  # [N, 3, T, T]
-    pixels = torch.stack([table[c][raw[:, c]] for c in range(3)], dim=1)
-    return Prepared(grid=grid, pixels=pixels)
+    raw = np.stack([np.asarray(f) for f in frames])  # [N, T, T, 3] uint8
+    pixels = np.empty((raw.shape[0], 3, *raw.shape[1:3]), dtype=np.float32)
+    for c in range(3):  # numpy indexes by the bytes themselves: a third faster than torch's int64 indices
+        np.take(table[c], raw[..., c], out=pixels[:, c])
+    return Prepared(grid=grid, pixels=torch.from_numpy(pixels))
 
 
 # ---------------------------------------------------------------------------------------------

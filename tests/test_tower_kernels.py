@@ -1,0 +1,152 @@
+"""kernels/tower.cpp: caldrix::tile_attend and gelu_tanh_, the vision tower's AMX kernels.
+
+Each against a float64 reference of the same maths, held to the error torch's own bfloat16
+ops make against that reference; the attention's invariances (thread count, the other tiles
+of a call); and a tiny Idefics3 whose tower takes both kernels, against transformers.
+Skipped where the CPU has no AMX-BF16 (the kernels are not built there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from caldrix.kernels import native
+
+pytestmark = pytest.mark.skipif(not native.has_tower_kernels(), reason="this CPU has no AMX-BF16: tower.cpp not built")
+
+E = 64
+
+
+def split(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, n, 3 D] -> q, k, v [N, H, n, E] (views)."""
+    N, n, _ = qkv.shape
+    q, k, v = qkv.view(N, n, 3, heads, E).permute(2, 0, 3, 1, 4)
+    return q, k, v
+
+
+def joined(out: torch.Tensor) -> torch.Tensor:
+    """[N, H, n, E] -> [N, n, H E], the kernel's layout."""
+    N, H, n, _ = out.shape
+    return out.transpose(1, 2).reshape(N, n, H * E)
+
+
+@settings(max_examples=25, deadline=None)
+@given(tiles=st.integers(1, 3), heads=st.integers(1, 3), blocks=st.sampled_from([1, 2, 3, 8, 9, 17]),
+       spread=st.sampled_from([0.3, 1.0, 3.0]), scale=st.sampled_from([0.125, 0.2, 1.0]), seed=st.integers(0, 2**16))
+def test_tile_attend_against_float64(tiles, heads, blocks, spread, scale, seed):
+    """n = 32 x blocks covers one chunk, part of one, and several with a ragged last (256 keys a
+    chunk); spread and scale make the softmax flat or sharp. The kernel's error against float64
+    is held to 1.5x torch SDPA's in bfloat16 on the same input, plus a bfloat16 step of the
+    output's size for draws where SDPA happens to round almost every element right."""
+    g = torch.Generator().manual_seed(seed)
+    n = 32 * blocks
+    qkv = (torch.randn(tiles, n, 3 * heads * E, generator=g) * spread).bfloat16()
+    q, k, v = split(qkv, heads)
+    with torch.inference_mode():
+        exact = joined(F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale))
+        theirs = joined(F.scaled_dot_product_attention(q, k, v, scale=scale)).double()
+        ours = torch.ops.caldrix.tile_attend(qkv, heads, scale)
+    assert ours.shape == (tiles, n, heads * E) and ours.dtype == torch.bfloat16
+    err, their_err = (ours.double() - exact).abs().max().item(), (theirs - exact).abs().max().item()
+    assert err <= 1.5 * their_err + exact.abs().max().item() * 2**-8, (err, their_err)
+
+
+def test_tile_attend_depends_on_nothing_but_its_tile():
+    """A tile's result is the same bits alone, among other tiles, and on one thread or two: a
+    (tile, head, 32 rows) task is computed whole by one thread."""
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(3, 288, 3 * 2 * E, generator=g).bfloat16()
+    with torch.inference_mode():
+        together = torch.ops.caldrix.tile_attend(qkv, 2, 0.125)
+        alone = torch.cat([torch.ops.caldrix.tile_attend(qkv[i:i + 1].clone(), 2, 0.125) for i in range(3)])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            single = torch.ops.caldrix.tile_attend(qkv, 2, 0.125)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(together, alone) and torch.equal(together, single)
+
+
+def test_tile_attend_refuses_what_it_does_not_take():
+    x = torch.randn(1, 64, 3 * 2 * E).bfloat16()
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        torch.ops.caldrix.tile_attend(x[:, :48].contiguous(), 2, 0.125)
+    with pytest.raises(RuntimeError, match="is not 3 x 3 heads"):
+        torch.ops.caldrix.tile_attend(x, 3, 0.125)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        torch.ops.caldrix.tile_attend(x.float(), 2, 0.125)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 values at |x| (float64)."""
+    exp = torch.floor(torch.log2(x.abs().clamp(min=2.0**-126)))
+    return torch.pow(2.0, exp - 7)
+
+
+@settings(max_examples=20, deadline=None)
+@given(count=st.integers(1, 5000), spread=st.sampled_from([0.5, 3.0, 20.0]), seed=st.integers(0, 2**16))
+def test_gelu_tanh_is_the_rounded_float64_value(count, spread, seed):
+    """In place, any length (the tail below 16 elements masked): every element within half a
+    bfloat16 step of the float64 GELU plus 2^-20 of it (the float32 arithmetic before the one
+    rounding), so it is the correctly rounded value but at rounding ties; values below the
+    smallest normal (2^-126) may come out as zero (AVX512-BF16's conversion flushes them). torch's bfloat16
+    GELU, 0.5 x (1 + tanh u), loses bits to cancellation where x is very negative; this
+    kernel's x sigmoid(2u) does not."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(count, generator=g) * spread).bfloat16()
+    y = x.clone()
+    with torch.inference_mode():
+        got = torch.ops.caldrix.gelu_tanh_(y)
+    assert got.data_ptr() == y.data_ptr()
+    xd = x.double()
+    # 0.5 (1 + tanh u) as sigmoid(2u): the tanh form cancels to 0 in float64 too for x below -9
+    exact = xd * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (xd + 0.044715 * xd**3))
+    bound = bf16_ulp(exact) / 2 + exact.abs() * 2**-20 + 2.0**-126
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+def test_gelu_tanh_agrees_with_torch_to_a_bfloat16_step():
+    """Within one bfloat16 step of torch's bfloat16 GELU, or, for negative x where torch's
+    1 + tanh u cancels, within that cancellation's error (|x| 2^-24 before the halving)."""
+    x = torch.linspace(-12, 12, 100_001).bfloat16()
+    with torch.inference_mode():
+        theirs = F.gelu(x, approximate="tanh").double()
+        ours = torch.ops.caldrix.gelu_tanh_(x.clone()).double()
+    assert ((ours - theirs).abs() <= bf16_ulp(theirs) + x.double().abs() * 2**-22).all()
+
+
+def test_tiny_tower_on_the_kernels_matches_transformers_bf16(tmp_path):
+    """A tiny Idefics3 whose tiles are 64 patches of 64-wide heads, so pack() takes both
+    kernels: its image features stay as close to the float32 reference as transformers' own
+    bfloat16 tower does."""
+    from transformers import Idefics3Config as HFConfig
+    from transformers import Idefics3ForConditionalGeneration
+
+    from caldrix.models.idefics3 import load_idefics3
+
+    cfg = HFConfig(
+        vision_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=64, patch_size=8, initializer_range=0.2),
+        text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=160, max_position_embeddings=256,
+                         tie_word_embeddings=False),
+        scale_factor=2, image_token_id=150, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    ref = Idefics3ForConditionalGeneration(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    ours = load_idefics3(tmp_path, torch.bfloat16)
+    layer = ours.vision.layers[0]
+    assert layer.tower_kernels and not layer.gelu_in_fc1
+    ref_bf16 = Idefics3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        exact = ref.model.get_image_features(pixels[None]).pooler_output[0].double()
+        theirs = ref_bf16.model.get_image_features(pixels[None].bfloat16()).pooler_output[0].double()
+        got = ours.image_features(pixels).double()
+    assert got.shape == exact.shape
+    assert (got - exact).abs().max().item() <= 1.5 * (theirs - exact).abs().max().item()
