@@ -7,26 +7,30 @@
 // took a third of the tower (0.6 TFLOPS: its exp and bookkeeping, not its matmuls), and
 // oneDNN's fused tanh-GELU post-op cost as much as the fc1 matmul it follows (4 ms of 9 at
 // 2048 x 3072). Here the two matmuls of attention run on AMX tiles and the exponentials are a
-// polynomial in AVX-512; the GELU is one pass at about memory speed.
+// polynomial in AVX-512 (3.9 against torch's 5.4 ms a tile and layer at SmolVLM's shape); the
+// GELU is one pass at about memory speed (2.4 ms at 2048 x 3072).
 //
 // tile_attend. qkv [N, n, 3 D] bfloat16 contiguous, D = heads x 64, q then k then v, each
 // head's 64 values together (the layout of SigLIP's q, k and v projections concatenated).
 // Returns [N, n, D] bfloat16, softmax(scale q k^T) v per tile and head, heads side by side
 // (what scaled_dot_product_attention's output is after transposing heads back).
 // n must be a multiple of 32. Arithmetic: the scores q k^T are summed in float32 by the tiles;
-// the softmax takes each row's exact maximum, exp(scale s - scale max) in float32 (a degree-6
-// polynomial, within 2 ulp), sums those float32 values, and rounds them to bfloat16 for the
-// second matmul, whose float32 sums are divided by the row's sum and rounded once. This is the
-// arithmetic of torch's flash attention for bfloat16 except that torch updates its running
-// maximum across blocks of 512 keys (rounding the same values at a different point), so the
-// two agree to bfloat16 rounding, not bit for bit. The float32 path keeps torch's kernel.
+// keys are taken 256 at a time with a running maximum per row (flash attention's online
+// softmax): exp(scale s - scale max) in float32 (2^t by a degree-5 polynomial, within 2e-7
+// relative), rounded to bfloat16 for the second matmul, while their float32 values are summed;
+// the float32 weighted sums of values are rescaled when the maximum moves, divided by the
+// row's sum at the end and rounded once. That is the arithmetic of torch's flash attention for
+// bfloat16 except for the block size (torch's 512 keys) and the exp, so the two agree to
+// bfloat16 rounding, not bit for bit. The float32 path keeps torch's kernel.
 // A (tile, head, 32 query rows) task is computed whole by one thread, so results do not depend
 // on the thread count or on the other tiles of the call.
 //
 // gelu_tanh_. x contiguous bfloat16, any shape: x = x sigmoid(2u), u = sqrt(2 / pi) (x +
-// 0.044715 x^3), in float32 and rounded once; 0.5 (1 + tanh u) is sigmoid(2u), which has no
-// cancellation near u = 0. torch's gelu(approximate="tanh") agrees to the last bfloat16 bit
-// but for rounding ties (tests/test_tower_kernels.py).
+// 0.044715 x^3), in float32 and rounded once; 0.5 (1 + tanh u) is sigmoid(2u), which does not
+// cancel where x is very negative, as torch's 1 + tanh u does in float32. So it is the
+// correctly rounded value but at rounding ties and below bfloat16's smallest normal (flushed
+// to 0), and within a bfloat16 step of torch's gelu(approximate="tanh") where that one is
+// itself accurate (tests/test_tower_kernels.py).
 //
 // Built only where the compiler targets AMX-BF16 and AVX512-BF16 (-march=native on such a
 // CPU); elsewhere this file compiles to nothing and the tower keeps torch's ops. The kernel
