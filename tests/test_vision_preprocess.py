@@ -107,6 +107,25 @@ def test_pixels_match_transformers_smolvlm_settings(w, h, mode, detail, seed):
         assert out.pixels.shape == (1, 3, 512, 512)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w_in=st.integers(1, 3000), h_in=st.integers(1, 3000), long_out=st.sampled_from([1024, 2048, 1536, 1000]),
+       short_out=st.integers(256, 2048), portrait=st.booleans(), seed=st.integers(0, 2**16))
+@example(w_in=512, h_in=512, long_out=2048, short_out=2048, portrait=False, seed=0)
+@example(w_in=1024, h_in=768, long_out=2048, short_out=1536, portrait=False, seed=0)
+@example(w_in=2048, h_in=1536, long_out=512, short_out=512, portrait=True, seed=0)
+@example(w_in=301, h_in=999, long_out=2048, short_out=618, portrait=True, seed=0)
+def test_two_thread_lanczos_is_pillows_resize(w_in, h_in, long_out, short_out, portrait, seed):
+    """pp.lanczos splits the longer output side in two halves on two threads where the halves'
+    boxes give Pillow the same filters (a power-of-two denominator in in / out: 1024 and 2048
+    always, 1536 sometimes, 1000 for some inputs), and is one plain call otherwise: the same
+    bytes either way."""
+    short_out = min(short_out, long_out)
+    size = (short_out, long_out) if portrait else (long_out, short_out)
+    rgb = np.random.default_rng(seed).integers(0, 256, (h_in, w_in, 3), dtype=np.uint8)
+    im = Image.fromarray(rgb, "RGB")
+    assert np.array_equal(np.asarray(pp.lanczos(im, size)), np.asarray(im.resize(size, Image.LANCZOS)))
+
+
 def test_known_grids():
     # 1024x768 goes to 2048x1536: 4 columns by 3 rows plus the global image.
     assert pp.grid_for(1024, 768, "high") == Grid(3, 4)
