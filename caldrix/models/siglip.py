@@ -98,13 +98,13 @@ class EncoderLayer(nn.Module):
         fc1's call and torch's SDPA attends."""
         self.tower_kernels = native.has_tower_kernels() and self.wo.in_features // self.heads == 64 and patches % 32 == 0
         # a one-tile pass's fc2 as W g^T (below): oneDNN ran the packed call's 1024 x 768 output
-        # on one thread (4.7 ms; 2.4 this way)
+        # on one thread (5.1 ms with its residual sum; 3.0 this way, for a plain copy of W)
         self.fc2_plain = self.fc2.weight.detach() if self.tower_kernels else None
         for name in ("wqkv", "wo", "fc2"):
             lin = getattr(self, name)
             setattr(self, name, PackedLinear(lin.weight, lin.bias))
         # oneDNN's fused tanh-GELU cost as much as fc1's matmul (4 of 9 ms at 2048 x 3072); the
-        # kernel's own pass takes about 2.4
+        # kernel's own pass takes 1.5-2.4
         self.fc1 = PackedLinear(self.fc1.weight, self.fc1.bias, gelu="" if self.tower_kernels else "tanh")
         self.gelu_in_fc1 = not self.tower_kernels
 
