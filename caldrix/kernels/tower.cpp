@@ -99,8 +99,9 @@ inline __m512 exp2_ps(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+// The live lanes of 16 bfloat16 values as float32, exactly (a bfloat16 is a float32's high half).
+inline __m512 load_bf16(const uint16_t* p, __mmask16 live) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
 }
 
 inline void store_bf16(uint16_t* p, __m512 v) {
@@ -295,8 +296,7 @@ at::Tensor& gelu_tanh_(at::Tensor& x) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t at = i * 16, left = total - at;
       const __mmask16 live = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      const __m512 v = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p + at)), 16));
+      const __m512 v = load_bf16(p + at, live);
       const __m512 t = _mm512_mul_ps(v, _mm512_fmadd_ps(_mm512_mul_ps(v, v), c3, c1));
       const __m512 e = exp2_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)));  // 2^-|t|
       const __m512 d = _mm512_add_ps(one, e);
