@@ -175,12 +175,13 @@ inline void scores(const uint16_t* q, int64_t ld, const uint32_t* kp, int64_t w,
 // sums into sc.sum, and each row's factor for what came before (exp(old max - new max)).
 inline void numerators(int64_t w, float scale, bool first, Scratch& sc) {
   const __m512 sl = _mm512_set1_ps(scale * LOG2E);
+  alignas(64) float before[ROWS], part[ROWS];
   for (int64_t i = 0; i < ROWS; ++i) {
     const float* row = sc.s + i * SN;
     __m512 m = _mm512_loadu_ps(row);
     for (int64_t j = 16; j < w; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + j));
     const float top = std::max(_mm512_reduce_max_ps(m) * scale, first ? -INFINITY : sc.max[i]);
-    sc.rescale[i] = first ? 0.0f : std::exp(sc.max[i] - top);
+    before[i] = first ? top : sc.max[i];
     sc.max[i] = top;
     const __m512 shift = _mm512_set1_ps(top * LOG2E);
     __m512 total = _mm512_setzero_ps();
@@ -189,7 +190,15 @@ inline void numerators(int64_t w, float scale, bool first, Scratch& sc) {
       total = _mm512_add_ps(total, e);
       store_bf16(sc.pb + i * PN + j, e);
     }
-    sc.sum[i] = (first ? 0.0f : sc.sum[i] * sc.rescale[i]) + _mm512_reduce_add_ps(total);
+    part[i] = _mm512_reduce_add_ps(total);
+  }
+  // exp(old max - new max) for all rows at once, and the sums carried over by it
+  for (int64_t i = 0; i < ROWS; i += 16) {
+    const __m512 r = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(before + i), _mm512_loadu_ps(sc.max + i)),
+                                           _mm512_set1_ps(LOG2E)));
+    const __m512 sum = first ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_loadu_ps(sc.sum + i), r);
+    _mm512_storeu_ps(sc.rescale + i, r);
+    _mm512_storeu_ps(sc.sum + i, _mm512_add_ps(sum, _mm512_load_ps(part + i)));
   }
 }
 
