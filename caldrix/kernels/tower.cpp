@@ -7,7 +7,7 @@
 // took a third of the tower (0.6 TFLOPS: its exp and bookkeeping, not its matmuls), and
 // oneDNN's fused tanh-GELU post-op cost as much as the fc1 matmul it follows (4 ms of 9 at
 // 2048 x 3072). Here the two matmuls of attention run on AMX tiles and the exponentials are a
-// polynomial in AVX-512 (3.9 against torch's 5.4 ms a tile and layer at SmolVLM's shape); the
+// polynomial in AVX-512 (3.7 against torch's 5.1-5.4 ms a tile and layer at SmolVLM's shape); the
 // GELU is one pass at about memory speed (2.4 ms at 2048 x 3072).
 //
 // tile_attend. qkv [N, n, 3 D] bfloat16 contiguous, D = heads x 64, q then k then v, each
