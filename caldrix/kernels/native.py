@@ -37,10 +37,11 @@ log = logging.getLogger("caldrix.engine")
 # attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has
 # AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2, FMA and F16C; delta.cpp: delta_decode
 # (Qwen3.5's linear-attention decode step, plain C++); q4vnni.cpp: q4_vnni, where it has
-# AVX512-VNNI (--weights q4's blocks); tower.cpp: tile_attend and gelu_tanh_, where it has AMX-BF16
-# (the vision tower)
+# AVX512-VNNI (--weights q4's blocks); tower.cpp: tile_attend and gelu_tanh_, and tile_linear.cpp:
+# tile_linear, where it has AMX-BF16 (the vision tower); amx.h is what those two share
 SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp",
-                                                                  "q4vnni.cpp", "tower.cpp")]
+                                                                  "q4vnni.cpp", "tower.cpp", "tile_linear.cpp")]
+HEADERS = [Path(__file__).with_name("amx.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
 _lock = threading.Lock()
@@ -65,7 +66,7 @@ def _compiler() -> str | None:
 
 def _key(cxx: str) -> str:
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), str(torch.version.git_version).encode(),
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), torch.__version__.encode(), str(torch.version.git_version).encode(),
                  cxx.encode(), " ".join(FLAGS).encode(), _cpu_fingerprint().encode()):
         h.update(part)
         h.update(b"\0")
@@ -273,6 +274,12 @@ def has_tower_kernels() -> bool:
     """Whether the compiled caldrix::tile_attend and gelu_tanh_ (tower.cpp) are here: built for
     CPUs with AMX-BF16; without them the vision tower runs torch's attention and GELU."""
     return load() and _has_op("tile_attend")
+
+
+def has_tile_linear() -> bool:
+    """Whether the compiled caldrix::tile_linear and tile_pack_weight (tile_linear.cpp) are
+    here: built for CPUs with AMX-BF16, as tower.cpp."""
+    return load() and _has_op("tile_linear")
 
 
 def has_q4_mm_f32() -> bool:

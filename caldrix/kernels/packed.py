@@ -48,6 +48,29 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class TileLinear(nn.Module):
+    """y = x W^T + b for x [..., in] -> [..., out] on AMX tiles (kernels/tile_linear.cpp), W
+    repacked once at construction; only where native.has_tile_linear() says the kernel is
+    built. in and out multiples of 32, and x's rows too: the vision tower's 1024-row tiles.
+
+    Its place is where oneDNN falls short: on this project's two AMX cores oneDNN ran the
+    1024-row calls with 768 outputs on one thread (a tile's wo and fc2: 1.1 and 4.8 ms, here
+    0.55 and 2.4), and the tower's four matmuls on one tile take 6.4 ms a layer here, 7.7
+    with oneDNN's packed calls."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.caldrix.tile_pack_weight(weight.detach())
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+        """With `residual`: residual + x W^T + b, summed in float32 and rounded once. With
+        `gelu`: the tanh-approximated GELU of the rounded x W^T + b, rounded again (the two
+        ops F.gelu(F.linear(...), approximate="tanh") are, to bfloat16 rounding)."""
+        return torch.ops.caldrix.tile_linear(x, self.packed, self.bias, residual, gelu)
+
+
 def pack_linears(module: nn.Module) -> int:
     """Swap every bias-free nn.Linear under `module` (other layer types, 4-bit ones included, stay
     as they are) for a PackedLinear of its weight: the same bits as the plain matmul. Returns

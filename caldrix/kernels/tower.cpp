@@ -43,9 +43,7 @@
 #include <torch/library.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 #include <algorithm>
 #include <cmath>
@@ -55,58 +53,11 @@
 
 namespace {
 
+using namespace caldrix_amx;
+
 constexpr int64_t E = 64;  // head dim: two 32-wide k steps of a tile matmul
 constexpr int64_t ROWS = 32;  // query rows a task: two 16-row tiles sharing each key tile
 constexpr int64_t KEYS = 16;  // keys a score tile
-
-struct alignas(64) TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_granted() {
-  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): without it the first tile
-  // instruction faults. Granting is per process and idempotent.
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-// Every tile 16 rows of 64 bytes: 16 x 32 bfloat16 operands, 16 x 16 float32 sums.
-void configure_tiles() {
-  TileConfig cfg{};
-  cfg.palette = 1;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// 2^t in float32 within 2e-7 relative (a degree-5 fit of 2^f on |f| <= 1/2, then scalef for
-// 2^round(t), which underflows to 0 gracefully); t <= 127.
-inline __m512 exp2_ps(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3218674575909972e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671702980995178e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// The live lanes of 16 bfloat16 values as float32, exactly (a bfloat16 is a float32's high half).
-inline __m512 load_bf16(const uint16_t* p, __mmask16 live) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
-}
-
-inline void store_bf16(uint16_t* p, __m512 v) {
-  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
-}
 
 // One tile and head's keys and values in the layouts the tile matmuls read.
 // kp [n / 16][2][16][16] uint32: per block of 16 keys and half of the head dim, row r holds
@@ -140,7 +91,6 @@ void pack_head(const uint16_t* k, const uint16_t* v, int64_t n, int64_t ld, uint
 constexpr int64_t CHUNK = 256;
 // Scratch row strides padded off powers of two: 16 rows 1024 or 512 bytes apart share L1 sets.
 constexpr int64_t SN = CHUNK + 16, PN = CHUNK + 32;
-constexpr float LOG2E = 1.44269504088896341f;
 
 struct Scratch {
   alignas(64) float s[ROWS * SN];  // one chunk's scores
@@ -296,23 +246,10 @@ at::Tensor& gelu_tanh_(at::Tensor& x) {
   uint16_t* p = reinterpret_cast<uint16_t*>(x.data_ptr<c10::BFloat16>());
   const int64_t total = x.numel();
   at::parallel_for(0, (total + 15) / 16, 2048, [&](int64_t begin, int64_t end) {
-    // sigmoid(2u) = 1 / (1 + 2^t) with t = -2 u log2(e) = x (c1 + c3 x^2); as e / (1 + e) with
-    // e = 2^-t where t > 0, so 2^|t| is never formed and very negative x underflow gracefully
-    const __m512 c1 = _mm512_set1_ps(-2.0f * 0.7978845608028654f * LOG2E);
-    const __m512 c3 = _mm512_set1_ps(-2.0f * 0.7978845608028654f * LOG2E * 0.044715f);
-    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-    const __m512i sign = _mm512_set1_epi32(0x80000000);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t at = i * 16, left = total - at;
       const __mmask16 live = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      const __m512 v = load_bf16(p + at, live);
-      const __m512 t = _mm512_mul_ps(v, _mm512_fmadd_ps(_mm512_mul_ps(v, v), c3, c1));
-      const __m512 e = exp2_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)));  // 2^-|t|
-      const __m512 d = _mm512_add_ps(one, e);
-      __m512 r = _mm512_rcp14_ps(d);
-      r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));  // one Newton step: 2^-28 relative
-      const __m512 num = _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ), v, e);
-      _mm256_mask_storeu_epi16(p + at, live, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(num, r)));
+      _mm256_mask_storeu_epi16(p + at, live, to_bf16(gelu_tanh_ps(load_bf16(p + at, live))));
     }
   });
   return x;
