@@ -127,7 +127,7 @@ def test_packed_bf16_tower_matches_transformers_bf16(tiny, tmp_path):
     ref.save_pretrained(tmp_path)
     packed = load_idefics3(tmp_path, torch.bfloat16)
     ref_bf16 = Idefics3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    assert packed.vision.layers[0].gelu_in_fc1
+    assert packed.vision.layers[0].packing == "onednn"
     _, pixels, _ = build([(image(64, 64, 5), "auto"), (image(10, 10, 6), "low")], "<image><image>")
     with torch.no_grad():
         exact = ref.model.get_image_features(pixels[None]).pooler_output[0].float()

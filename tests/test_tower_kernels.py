@@ -141,7 +141,7 @@ def test_tiny_tower_on_the_kernels_matches_transformers_bf16(tmp_path):
     ref.save_pretrained(tmp_path)
     ours = load_idefics3(tmp_path, torch.bfloat16)
     layer = ours.vision.layers[0]
-    assert layer.tower_kernels and not layer.gelu_in_fc1
+    assert layer.packing == "tiles"
     ref_bf16 = Idefics3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caldrix.kernels import native
-from caldrix.kernels.packed import PackedLinear
+from caldrix.kernels.packed import PackedLinear, TileLinear
 
 
 @attrs.frozen
@@ -69,10 +69,12 @@ def full_tile_positions(per_side: int) -> torch.Tensor:
     return (buckets[:, None] * per_side + buckets[None, :]).reshape(-1)
 
 
-# Tiles run through the encoder layers TILES_PER_PASS at a time. Measured on 2 cores (AMX,
-# bfloat16, packed): 13 tiles in one pass 3.14 s, in passes of 2 tiles 2.61 s, of 4 2.66 s,
-# one at a time 3.30 s. oneDNN ran the 768-wide outputs of 1024-row calls on one thread, and
-# the 13,312-row calls spill their 3072-wide activations out of the caches; 2048 rows avoid both.
+# Tiles run through the encoder layers a few at a time: the packed oneDNN layers, TILES_PER_PASS.
+# Measured on 2 cores (AMX, bfloat16): 13 tiles in one pass 3.14 s, in passes of 2 tiles 2.61 s,
+# of 4 2.66 s, one at a time 3.30 s. oneDNN ran the 768-wide outputs of 1024-row calls on one
+# thread, and the 13,312-row calls spill their 3072-wide activations out of the caches; 2048
+# rows avoid both. The AMX kernels' layers (TileLinear) take one tile a pass, which keeps a
+# tile's activations in the caches: 2.28 s against 2.46 for the 13 tiles.
 TILES_PER_PASS = 2
 
 
@@ -87,41 +89,42 @@ class EncoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.fc1 = nn.Linear(d, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, d)
-        self.gelu_in_fc1 = False  # pack(): fc1 applies the GELU itself
-        self.tower_kernels = False  # pack(): caldrix::tile_attend and gelu_tanh_ (kernels/tower.cpp)
+        self.packing = ""  # pack(): "onednn" (PackedLinear) or "tiles" (TileLinear and kernels/tower.cpp)
 
-    def pack(self, patches: int) -> None:
-        """Swap the four Linears for PackedLinears, the residual sums fused into wo and fc2
-        (bfloat16 on a CPU with oneDNN's bf16 support only: kernels.packed.can_pack). Where the
-        AMX kernels of kernels/tower.cpp are built and fit (64-wide heads, `patches` a multiple
-        of 32) they take the attention and the GELU; elsewhere oneDNN applies the GELU inside
-        fc1's call and torch's SDPA attends."""
-        self.tower_kernels = native.has_tower_kernels() and self.wo.in_features // self.heads == 64 and patches % 32 == 0
-        # a one-tile pass's fc2 as W g^T (below): oneDNN ran the packed call's 1024 x 768 output
-        # on one thread (5.1 ms with its residual sum; 3.0 this way, for a plain copy of W)
-        self.fc2_plain = self.fc2.weight.detach() if self.tower_kernels else None
-        for name in ("wqkv", "wo", "fc2"):
+    @staticmethod
+    def tiles_fit(cfg: SiglipConfig) -> bool:
+        """Whether the AMX kernels are built and take this shape: 64-wide heads, widths and a
+        tile's patch count in multiples of 32."""
+        return (native.has_tower_kernels() and native.has_tile_linear() and cfg.hidden_size // cfg.num_heads == 64
+                and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
+                and cfg.patches_per_side ** 2 % 32 == 0)
+
+    def pack(self, tiles: bool) -> None:
+        """Swap the four Linears for packed ones (bfloat16 on a CPU with oneDNN's bf16 support
+        only: kernels.packed.can_pack). `tiles` (where tiles_fit): TileLinears, with
+        caldrix::tile_attend for the attention and the GELU in fc1's epilogue; otherwise
+        oneDNN's PackedLinears, the GELU inside fc1's call and the residual sums inside wo's
+        and fc2's, and torch's SDPA."""
+        kind = TileLinear if tiles else PackedLinear
+        for name in ("wqkv", "wo", "fc1", "fc2"):
             lin = getattr(self, name)
-            setattr(self, name, PackedLinear(lin.weight, lin.bias))
-        # oneDNN's fused tanh-GELU cost as much as fc1's matmul (4 of 9 ms at 2048 x 3072); the
-        # kernel's own pass takes 1.5-2.4
-        self.fc1 = PackedLinear(self.fc1.weight, self.fc1.bias, gelu="" if self.tower_kernels else "tanh")
-        self.gelu_in_fc1 = not self.tower_kernels
+            if tiles or name != "fc1":
+                setattr(self, name, kind(lin.weight, lin.bias))
+            else:
+                self.fc1 = PackedLinear(lin.weight, lin.bias, gelu="tanh")
+        self.packing = "tiles" if tiles else "onednn"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N, n, d = x.shape
         h = self.heads
-        if self.tower_kernels:  # packed, with the AMX kernels
+        if self.packing == "tiles":
             attn = torch.ops.caldrix.tile_attend(self.wqkv(self.norm1(x)), h, (d // h) ** -0.5)
             x = self.wo(attn, residual=x)
-            g = torch.ops.caldrix.gelu_tanh_(self.fc1(self.norm2(x)))
-            if N == 1:
-                return x + torch.addmm(self.fc2.bias[:, None], self.fc2_plain, g[0].t()).t()
-            return self.fc2(g, residual=x)
+            return self.fc2(self.fc1(self.norm2(x), gelu=True), residual=x)
         qkv = self.wqkv(self.norm1(x)).view(N, n, 3, h, d // h).permute(2, 0, 3, 1, 4)  # [3, N, H, n, E]
         attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # every patch sees every patch of its tile
         attn = attn.transpose(1, 2).reshape(N, n, d)
-        if self.gelu_in_fc1:  # packed: the residual sums inside wo's and fc2's calls
+        if self.packing == "onednn":  # the residual sums inside wo's and fc2's calls
             x = self.wo(attn, residual=x)
             return self.fc2(self.fc1(self.norm2(x)), residual=x)
         x = x + self.wo(attn)
@@ -138,10 +141,13 @@ class SiglipVisionTower(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
         self.post_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.register_buffer("positions", full_tile_positions(cfg.patches_per_side), persistent=False)
+        self.tiles_per_pass = TILES_PER_PASS
 
     def pack(self) -> None:
+        tiles = EncoderLayer.tiles_fit(self.cfg)
         for layer in self.layers:
-            layer.pack(self.cfg.patches_per_side ** 2)
+            layer.pack(tiles)
+        self.tiles_per_pass = 1 if tiles else TILES_PER_PASS
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, C, S, S] (whole tiles) -> [N, n, D]."""
@@ -151,8 +157,8 @@ class SiglipVisionTower(nn.Module):
         x = self.patch(pixels.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)  # [N, n, D]
         x = x + self.position(self.positions)
         passes = []
-        for i in range(0, x.shape[0], TILES_PER_PASS):  # tiles never see each other: any split is exact
-            h = x[i:i + TILES_PER_PASS]
+        for i in range(0, x.shape[0], self.tiles_per_pass):  # tiles never see each other: any split is exact
+            h = x[i:i + self.tiles_per_pass]
             for layer in self.layers:
                 h = layer(h)
             passes.append(h)
