@@ -13,7 +13,7 @@ SmolVLM's ids. Two prompts: a 512x512 PNG with detail "low" (one tile, 67 image 
 Time to first token counts, on each side: decoding the PNG, the image processor, laying out
 and tokenizing the prompt, the vision tower, the prompt pass and the first pick.
 - transformers: Idefics3Processor (its PIL image processor) then generate(max_new_tokens=1).
-- caldrix: caldrix/vision/preprocess.py, Idefics3.image_features, the prompt in `--chunk`-row
+- caldrix: caldrix/vision/preprocess.py (pixels in the tower's dtype), Idefics3.image_features, the prompt in `--chunk`-row
   chunks (default 128, the server's --prefill-chunk), the last token in the last chunk, as the
   engine runs an image request.
 Each side runs in its own process (peak memory is that process's high-water mark over the
@@ -143,12 +143,13 @@ def child_caldrix(path: Path, dtype_name: str) -> None:
     model.setup_rope(rows)
     kv = Idefics3.new_state(model.cfg, 1, rows, dtype, "cpu")
     chunk = int(os.environ.get("CALDRIX_BENCH_CHUNK", "128"))
+    pixel_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # as Engine.pixel_dtype
 
     def ttft(data: bytes, detail: str) -> tuple[float, int, int]:
         t = time.perf_counter()
         im = Image.open(io.BytesIO(data))
         im.load()
-        prepared = pp.preprocess(im, detail)
+        prepared = pp.preprocess(im, detail, dtype=pixel_dtype)
         prompt = pp.layout_prompt(TEXT, [prepared.grid], tokens, lambda s: tok.encode(s, add_special_tokens=False))
         ids, image_rows = torch.tensor(prompt.ids), torch.tensor(prompt.image_rows)
         with torch.inference_mode():

@@ -27,7 +27,8 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     if getattr(getattr(rt, "engine", None), "takes_images", False):
         from caldrix.vision.serving import VisionServing
 
-        vision = VisionServing.load(rt.model_dir, rt.tokenizer.hf.convert_tokens_to_ids, rt.cfg.queue_depth)
+        vision = VisionServing.load(rt.model_dir, rt.tokenizer.hf.convert_tokens_to_ids, rt.cfg.queue_depth,
+                                    getattr(rt.engine, "pixel_dtype", None))
     max_body = VISION_MAX_BODY if vision is not None else MAX_BODY
     app.config["MAX_CONTENT_LENGTH"] = max_body
     app.extensions["caldrix.vision"] = vision

@@ -367,6 +367,12 @@ class Engine:
         """Whether the model has a vision tower (embed_images works)."""
         return hasattr(self.model, "image_features")
 
+    @property
+    def pixel_dtype(self) -> torch.dtype:
+        """The dtype embed_images takes its pixels in: a bfloat16 tower's own (it would cast
+        float32 pixels to it first: bfloat16 ones spare that copy), float32 otherwise."""
+        return torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+
     @torch.inference_mode()
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """Image tiles [N, 3, S, S] -> the model's input rows for their <image> positions [N * seq, D]

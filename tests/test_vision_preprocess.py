@@ -107,6 +107,24 @@ def test_pixels_match_transformers_smolvlm_settings(w, h, mode, detail, seed):
         assert out.pixels.shape == (1, 3, 512, 512)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=sides, h=sides, mode=st.sampled_from(MODES), detail=st.sampled_from(["auto", "high", "low"]),
+       seed=st.integers(0, 2**16))
+def test_bfloat16_pixels_are_the_float32_ones_rounded(w, h, mode, detail, seed):
+    """dtype=bfloat16 (what a bfloat16 tower takes): exactly the float32 pixels rounded once,
+    the values the tower's own cast would make."""
+    im = make_image(w, h, mode, seed)
+    full = pp.preprocess(im, detail, SMALL)
+    half = pp.preprocess(im, detail, SMALL, torch.bfloat16)
+    assert half.pixels.dtype == torch.bfloat16 and half.grid == full.grid
+    assert torch.equal(half.pixels, full.pixels.to(torch.bfloat16))
+
+
+def test_pixels_refuse_other_dtypes():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        pp.preprocess(Image.new("RGB", (8, 8)), "low", SMALL, torch.float16)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w_in=st.integers(1, 3000), h_in=st.integers(1, 3000), long_out=st.sampled_from([1024, 2048, 1536, 1000]),
        short_out=st.integers(256, 2048), portrait=st.booleans(), seed=st.integers(0, 2**16))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import attrs
+import torch
 
 from caldrix.vision.images import DecodeFailure, ImagePart, decode_image
 from caldrix.vision.messages import VisionMessage
@@ -51,12 +52,14 @@ def plan_prompt(render: Callable[[list[dict[str, Any]]], str], encode: Callable[
     return VisionPlan(prompt=layout_prompt(text, grids, tokens, encode, s), images=images)
 
 
-def prepare_image(part: ImagePart, s: ProcessorSettings = SMOLVLM_256M) -> Prepared | DecodeFailure:
-    """Decode and preprocess one image (CPU work: run it in the limiter's thread)."""
+def prepare_image(part: ImagePart, s: ProcessorSettings = SMOLVLM_256M,
+                  dtype: torch.dtype = torch.float32) -> Prepared | DecodeFailure:
+    """Decode and preprocess one image, its pixels in `dtype` (CPU work: run it in the
+    limiter's thread)."""
     im = decode_image(part)
     if isinstance(im, DecodeFailure):
         return im
-    return preprocess(im, part.detail, s)
+    return preprocess(im, part.detail, s, dtype)
 
 
 def image_runs(image_rows: Sequence[int]) -> list[tuple[int, int]]:

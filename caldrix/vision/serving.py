@@ -58,10 +58,14 @@ class VisionServing:
     tokens: ImageTokens
     settings: ProcessorSettings
     limiter: DecodeLimiter
+    pixel_dtype: torch.dtype = torch.float32  # what the engine's tower takes (Engine.pixel_dtype)
 
     @classmethod
-    def load(cls, path: Path, token_to_id: Callable[[str], int | None], queue_depth: int) -> "VisionServing":
-        return cls(ImageTokens.lookup(token_to_id), settings_from_dir(path), DecodeLimiter(queue_depth))
+    def load(cls, path: Path, token_to_id: Callable[[str], int | None], queue_depth: int,
+             pixel_dtype: torch.dtype | None = None) -> "VisionServing":
+        """`pixel_dtype`: the engine's (Engine.pixel_dtype); None for float32."""
+        return cls(ImageTokens.lookup(token_to_id), settings_from_dir(path), DecodeLimiter(queue_depth),
+                   pixel_dtype or torch.float32)
 
 
 class ImageFailed(Exception):
@@ -80,7 +84,7 @@ async def embed_request(vs: VisionServing, plan: VisionPlan, embed: Callable[[to
     waiting when the queue is full, ImageFailed (400) for an image that cannot be decoded."""
 
     def one(part: ImagePart) -> torch.Tensor:
-        got = prepare_image(part, vs.settings)
+        got = prepare_image(part, vs.settings, vs.pixel_dtype)
         if isinstance(got, DecodeFailure):
             raise ImageFailed(got.message, got.param)
         return embed(got.pixels)
