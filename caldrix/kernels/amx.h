@@ -1,5 +1,6 @@
 // What tower.cpp and tile_linear.cpp share on CPUs with AMX-BF16 and AVX512-BF16: asking Linux
-// for the tile registers, the one tile shape both use, and the float32 vector helpers.
+// for the tile registers, the one tile shape both use, and the float32 vector helpers (2^t,
+// bfloat16 loads and stores, the GELU of tile_linear's epilogue).
 // Included only inside each file's `#if defined(__AMX_TILE__) ...` block.
 #pragma once
 
@@ -65,8 +66,14 @@ inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, to_bf16(v)); }
 
 // The tanh-approximated GELU of v in float32, as x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3):
-// sigmoid(2u) = 1 / (1 + 2^t) with t = -2 u log2(e) = x (c1 + c3 x^2); as e / (1 + e) with
-// e = 2^-t where t > 0, so 2^|t| is never formed and very negative x underflow gracefully.
+// 0.5 (1 + tanh u) is sigmoid(2u), which does not cancel where x is very negative, as torch's
+// 1 + tanh u does in float32. Rounded once to bfloat16 it is the correctly rounded value but at
+// rounding ties and below bfloat16's smallest normal (flushed to 0), and within a bfloat16
+// step of torch's gelu(approximate="tanh") where that one is itself accurate
+// (tests/test_tile_linear.py). sigmoid(2u) = 1 / (1 + 2^t) with t = -2 u log2(e) =
+// x (c1 + c3 x^2); as e / (1 + e) with e = 2^-t where t > 0, so 2^|t| is never formed and very
+// negative x underflow gracefully. Why a kernel's own: oneDNN's fused tanh-GELU post-op cost as
+// much as the fc1 matmul it follows (4 ms of 9 at 2048 x 3072).
 inline __m512 gelu_tanh_ps(__m512 v) {
   const __m512 c1 = _mm512_set1_ps(-2.0f * 0.7978845608028654f * LOG2E);
   const __m512 c3 = _mm512_set1_ps(-2.0f * 0.7978845608028654f * LOG2E * 0.044715f);

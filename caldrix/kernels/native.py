@@ -37,8 +37,8 @@ log = logging.getLogger("caldrix.engine")
 # attend.cpp: decode_attend, decode_rope_attend, decode_norm; q4mm.cpp: q4_mm, where the CPU has
 # AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2, FMA and F16C; delta.cpp: delta_decode
 # (Qwen3.5's linear-attention decode step, plain C++); q4vnni.cpp: q4_vnni, where it has
-# AVX512-VNNI (--weights q4's blocks); tower.cpp: tile_attend and gelu_tanh_, and tile_linear.cpp:
-# tile_linear, where it has AMX-BF16 (the vision tower); amx.h is what those two share
+# AVX512-VNNI (--weights q4's blocks); tower.cpp: tile_attend, and tile_linear.cpp: tile_linear,
+# where it has AMX-BF16 (the vision tower); amx.h is what those two share
 SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp",
                                                                   "q4vnni.cpp", "tower.cpp", "tile_linear.cpp")]
 HEADERS = [Path(__file__).with_name("amx.h")]
@@ -271,8 +271,8 @@ def has_q4_vnni() -> bool:
 
 
 def has_tower_kernels() -> bool:
-    """Whether the compiled caldrix::tile_attend and gelu_tanh_ (tower.cpp) are here: built for
-    CPUs with AMX-BF16; without them the vision tower runs torch's attention and GELU."""
+    """Whether the compiled caldrix::tile_attend (tower.cpp) is here: built for CPUs with
+    AMX-BF16; without it the vision tower runs torch's attention."""
     return load() and _has_op("tile_attend")
 
 

@@ -1,14 +1,11 @@
-// The vision tower's two kernels, bfloat16 on CPUs with AMX (Sapphire Rapids and later):
-// - caldrix::tile_attend(qkv, heads, scale): bidirectional attention over one tile's patches,
-//   straight from the fused q/k/v projection's output;
-// - caldrix::gelu_tanh_(x): tanh-approximated GELU in place.
+// The vision tower's attention, bfloat16 on CPUs with AMX (Sapphire Rapids and later):
+// caldrix::tile_attend(qkv, heads, scale), bidirectional attention over one tile's patches,
+// straight from the fused q/k/v projection's output. (Its linears: tile_linear.cpp.)
 //
 // Why: in SmolVLM's SigLIP tower on this project's 2-core machine, torch's CPU flash attention
-// took a third of the tower (0.6 TFLOPS: its exp and bookkeeping, not its matmuls), and
-// oneDNN's fused tanh-GELU post-op cost as much as the fc1 matmul it follows (4 ms of 9 at
-// 2048 x 3072). Here the two matmuls of attention run on AMX tiles and the exponentials are a
-// polynomial in AVX-512 (3.7 against torch's 5.1-5.4 ms a tile and layer at SmolVLM's shape); the
-// GELU is one pass at about memory speed (2.4 ms at 2048 x 3072).
+// took a third of the tower (0.6 TFLOPS: its exp and bookkeeping, not its matmuls). Here the
+// two matmuls of attention run on AMX tiles and the exponentials are a polynomial in AVX-512
+// (3.7 against torch's 5.1-5.4 ms a tile and layer at SmolVLM's shape).
 //
 // tile_attend. qkv [N, n, 3 D] bfloat16 contiguous, D = heads x 64, q then k then v, each
 // head's 64 values together (the layout of SigLIP's q, k and v projections concatenated).
@@ -25,15 +22,8 @@
 // A (tile, head, 32 query rows) task is computed whole by one thread, so results do not depend
 // on the thread count or on the other tiles of the call.
 //
-// gelu_tanh_. x contiguous bfloat16, any shape: x = x sigmoid(2u), u = sqrt(2 / pi) (x +
-// 0.044715 x^3), in float32 and rounded once; 0.5 (1 + tanh u) is sigmoid(2u), which does not
-// cancel where x is very negative, as torch's 1 + tanh u does in float32. So it is the
-// correctly rounded value but at rounding ties and below bfloat16's smallest normal (flushed
-// to 0), and within a bfloat16 step of torch's gelu(approximate="tanh") where that one is
-// itself accurate (tests/test_tower_kernels.py).
-//
 // Built only where the compiler targets AMX-BF16 and AVX512-BF16 (-march=native on such a
-// CPU); elsewhere this file compiles to nothing and the tower keeps torch's ops. The kernel
+// CPU); elsewhere this file compiles to nothing and the tower keeps torch's SDPA. The kernel
 // asks Linux for the AMX register state (arch_prctl) before its first use, as oneDNN does.
 
 #include <ATen/Parallel.h>
@@ -240,31 +230,14 @@ at::Tensor tile_attend(const at::Tensor& qkv, int64_t heads, double scale) {
   return out;
 }
 
-at::Tensor& gelu_tanh_(at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
-              "gelu_tanh_: x is a contiguous bfloat16 CPU tensor");
-  uint16_t* p = reinterpret_cast<uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const int64_t total = x.numel();
-  at::parallel_for(0, (total + 15) / 16, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t at = i * 16, left = total - at;
-      const __mmask16 live = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      _mm256_mask_storeu_epi16(p + at, live, to_bf16(gelu_tanh_ps(load_bf16(p + at, live))));
-    }
-  });
-  return x;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(caldrix, m) {
   m.def("tile_attend(Tensor qkv, int heads, float scale) -> Tensor");
-  m.def("gelu_tanh_(Tensor(a!) x) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(caldrix, CPU, m) {
   m.impl("tile_attend", tile_attend);
-  m.impl("gelu_tanh_", gelu_tanh_);
 }
 
 #endif
