@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from caldrix.kernels import native
 
-pytestmark = pytest.mark.skipif(not native.has_tile_linear(), reason="this CPU has no AMX-BF16: tile_linear.cpp not built")
+pytestmark = pytest.mark.skipif(not native.has_tile_linear(), reason=f"tile_linear.cpp not built here: "
+                                f"{native.why_torch() or 'this CPU has no AMX-BF16'}")
 
 ops = torch.ops.caldrix
 

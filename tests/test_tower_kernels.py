@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from caldrix.kernels import native
 
-pytestmark = pytest.mark.skipif(not native.has_tower_kernels(), reason="this CPU has no AMX-BF16: tower.cpp not built")
+pytestmark = pytest.mark.skipif(not native.has_tower_kernels(), reason=f"tower.cpp not built here: "
+                                f"{native.why_torch() or 'this CPU has no AMX-BF16'}")
 
 E = 64
 
