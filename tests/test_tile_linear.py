@@ -2,7 +2,8 @@
 linear layer (kernels/packed.TileLinear).
 
 The packed layout against its definition; each output against float64 within the rounding
-the contract names (float32 sums, one rounding to bfloat16); the residual form; the GELU
+the contract names (float32 sums, one rounding to bfloat16); the residual form; the LayerNorm
+applied to the rows as they are read; the GELU
 epilogue (amx.h's gelu_tanh_ps) against float64 and against torch's, and as the two ops it
 fuses; a row's bits independent of the other rows and of the thread count; the refusals. Skipped where
 the CPU has no AMX-BF16 (the kernel is not built there).
@@ -142,6 +143,27 @@ def test_gelu_is_the_rounded_linears_gelu():
     assert torch.equal(ops.tile_linear(x, wp, b, None, True), gelu(ops.tile_linear(x, wp, b, None, False)))
 
 
+@settings(max_examples=15, deadline=None)
+@given(k=st.sampled_from([32, 96, 768]), spread=st.sampled_from([0.01, 1.0, 50.0]), offset=st.sampled_from([0.0, 3.0]),
+       eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 2**16))
+def test_norm_is_layer_norm_as_the_rows_are_read(k, spread, offset, eps, seed):
+    """With a norm, the rows are LayerNorm(x) before the product: through an identity weight,
+    each value within half a bfloat16 step of the float64 LayerNorm plus float32's drift, and
+    within a step of torch's own bfloat16 layer_norm."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(64, k, generator=g) * spread + offset).bfloat16()
+    w = (torch.randn(k, generator=g) * 0.5 + 1).bfloat16()
+    b = torch.randn(k, generator=g).bfloat16()
+    eye = ops.tile_pack_weight(torch.eye(k, dtype=torch.bfloat16))
+    got = ops.tile_linear(x, eye, None, None, False, w, b, eps).double()
+    exact = F.layer_norm(x.double(), (k,), w.double(), b.double(), eps)
+    normed = (x.double() - x.double().mean(-1, keepdim=True)) / (x.double().var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+    drift = 2.0 ** -18 * (normed.abs() * w.double().abs() + b.double().abs())  # float32's mean, variance and fma
+    assert ((got - exact).abs() <= bf16_ulp(exact) / 2 + drift).all()
+    theirs = F.layer_norm(x, (k,), w, b, eps).double()
+    assert ((got - theirs).abs() <= bf16_ulp(theirs) + drift).all()
+
+
 def test_a_row_depends_on_nothing_but_itself():
     """A row's bits are the same in a 32-row call and a 2048-row one (which blocks its rows in
     chunks per thread), at any position, on one thread or two."""
@@ -178,6 +200,8 @@ def test_leading_dims_are_kept():
     ("residual", "residual is not"),
     ("float32", "x is a bfloat16 CPU tensor"),
     ("weight", "wp is not from tile_pack_weight"),
+    ("norm half", "a norm takes both its weight and bias"),
+    ("norm width", "the norm's weight and bias are not bfloat16 [64]"),
 ])
 def test_refusals(case, message):
     x, w = torch.randn(32, 64).bfloat16(), torch.randn(32, 64).bfloat16()
@@ -196,8 +220,13 @@ def test_refusals(case, message):
         x = x.float()
     elif case == "weight":
         wp = w
+    norm = ()
+    if case == "norm half":
+        norm = (torch.ones(64).bfloat16(), None, 1e-6)
+    elif case == "norm width":
+        norm = (torch.ones(32).bfloat16(), torch.zeros(32).bfloat16(), 1e-6)
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        ops.tile_linear(x, wp, b, r, gelu)
+        ops.tile_linear(x, wp, b, r, gelu, *norm)
 
 
 def test_pack_refuses_shapes_off_32():

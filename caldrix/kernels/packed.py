@@ -64,11 +64,16 @@ class TileLinear(nn.Module):
         self.packed = torch.ops.caldrix.tile_pack_weight(weight.detach())
         self.bias = None if bias is None else bias.detach().contiguous()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, gelu: bool = False,
+                norm: nn.LayerNorm | None = None) -> torch.Tensor:
         """With `residual`: residual + x W^T + b, summed in float32 and rounded once. With
         `gelu`: the tanh-approximated GELU of the rounded x W^T + b, rounded again (the two
-        ops F.gelu(F.linear(...), approximate="tanh") are, to bfloat16 rounding)."""
-        return torch.ops.caldrix.tile_linear(x, self.packed, self.bias, residual, gelu)
+        ops F.gelu(F.linear(...), approximate="tanh") are, to bfloat16 rounding). With `norm`
+        (a bfloat16 LayerNorm over the inputs): x is normalised as it is read, in float32 and
+        rounded once, as the LayerNorm's own call would, to bfloat16 rounding."""
+        if norm is None:
+            return torch.ops.caldrix.tile_linear(x, self.packed, self.bias, residual, gelu)
+        return torch.ops.caldrix.tile_linear(x, self.packed, self.bias, residual, gelu, norm.weight, norm.bias, norm.eps)
 
 
 def pack_linears(module: nn.Module) -> int:

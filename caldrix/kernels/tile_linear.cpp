@@ -1,6 +1,7 @@
 // A bfloat16 linear layer on AMX tiles, for the vision tower's 1024-row tiles:
 // - caldrix::tile_pack_weight(w [N, K]) -> the weight in the layout the tile products read;
-// - caldrix::tile_linear(x [..., K], wp, bias, residual, gelu) -> [..., N].
+// - caldrix::tile_linear(x [..., K], wp, bias, residual, gelu, norm_weight, norm_bias, eps)
+//   -> [..., N].
 //
 // Why: oneDNN's packed bfloat16 matmul runs the tower's 1024-row calls with 768 outputs (a
 // tile's wo and fc2) on one of this project's two cores: 1.1 and 4.8 ms, here 0.55 and 2.4. At
@@ -29,8 +30,11 @@
 // the tanh-approximated GELU. Each output is x w^T summed in float32 by the tiles (pairs of
 // products, in the order of k), plus the bias, plus the residual, rounded once to bfloat16;
 // with `gelu`, that rounded value's GELU (amx.h's gelu_tanh_ps), rounded again: what
-// F.gelu(F.linear(x, w, b), approximate="tanh") computes in bfloat16, to its rounding. A row's
-// result does not depend on the other rows, the row count or the thread count.
+// F.gelu(F.linear(x, w, b), approximate="tanh") computes in bfloat16, to its rounding. With
+// norm_weight and norm_bias [K] bfloat16: x is LayerNorm(x; eps) first, each row normalised in
+// float32 as it is packed and rounded once (F.layer_norm's bfloat16 result, to its rounding),
+// which spares the norm's own pass over the rows. A row's result does not depend on the other
+// rows, the row count or the thread count.
 //
 // Built only where the compiler targets AMX-BF16 and AVX512-BF16, as tower.cpp.
 
@@ -44,6 +48,7 @@
 #include "amx.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -98,15 +103,46 @@ at::Tensor tile_pack_weight(const at::Tensor& w) {
   return out;
 }
 
+// A LayerNorm applied to the rows as they are packed: gamma and beta [K] bfloat16, eps.
+struct Norm {
+  const uint16_t* gamma;  // null: no norm
+  const uint16_t* beta;
+  float eps;
+};
+
 // Rows [m0, m0 + rows) of x [M, K] into `a` as [rows / 32][K / 32][2][16][32]: per block of 32
-// rows and 32 inputs, two tiles of 16 rows (the A operand, contiguous).
-void pack_rows(const uint16_t* x, int64_t K, int64_t m0, int64_t rows, uint16_t* a) {
+// rows and 32 inputs, two tiles of 16 rows (the A operand, contiguous). With a norm, each row
+// is LayerNorm(x) first: mean and variance in float32 (two passes over the row), then
+// (x - mean) rstd gamma + beta rounded once to bfloat16.
+void pack_rows(const uint16_t* x, int64_t K, int64_t m0, int64_t rows, uint16_t* a, const Norm& norm) {
   const int64_t KB = K / BLOCK;
   for (int64_t mb = 0; mb < rows / BLOCK; ++mb)
-    for (int64_t kb = 0; kb < KB; ++kb)
-      for (int64_t i = 0; i < BLOCK; ++i)
-        _mm512_store_si512(a + ((mb * KB + kb) * 2) * TILE + i * BLOCK,
-                           _mm512_loadu_si512(x + (m0 + mb * BLOCK + i) * K + kb * BLOCK));
+    for (int64_t i = 0; i < BLOCK; ++i) {
+      const uint16_t* row = x + (m0 + mb * BLOCK + i) * K;
+      uint16_t* dst = a + mb * KB * 2 * TILE + i * BLOCK;  // then + kb * 2 TILE
+      if (!norm.gamma) {
+        for (int64_t kb = 0; kb < KB; ++kb)
+          _mm512_store_si512(dst + kb * 2 * TILE, _mm512_loadu_si512(row + kb * BLOCK));
+        continue;
+      }
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) sum = _mm512_add_ps(sum, load_bf16(row + k));
+      const float mean = _mm512_reduce_add_ps(sum) / static_cast<float>(K);
+      const __m512 mu = _mm512_set1_ps(mean);
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512 d = _mm512_sub_ps(load_bf16(row + k), mu);
+        sq = _mm512_fmadd_ps(d, d, sq);
+      }
+      const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(K) + norm.eps));
+      for (int64_t kb = 0; kb < KB; ++kb)
+        for (int64_t h = 0; h < BLOCK; h += 16) {
+          const int64_t k = kb * BLOCK + h;
+          const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_sub_ps(load_bf16(row + k), mu), rstd),
+                                           load_bf16(norm.gamma + k), load_bf16(norm.beta + k));
+          store_bf16(dst + kb * 2 * TILE + h, y);
+        }
+    }
 }
 
 struct Epilogue {
@@ -204,7 +240,8 @@ class Blocks {
 };
 
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& residual, bool gelu) {
+                       const c10::optional<at::Tensor>& residual, bool gelu, const c10::optional<at::Tensor>& norm_weight,
+                       const c10::optional<at::Tensor>& norm_bias, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1,
               "tile_linear: x is a bfloat16 CPU tensor");
   TORCH_CHECK(wp.dim() == 5 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 2 &&
@@ -230,6 +267,18 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& wp, const c10::opt
     TORCH_CHECK(res.scalar_type() == at::kBFloat16 && res.sizes() == out.sizes(), "tile_linear: residual is not ",
                 out.sizes(), " bfloat16");
   }
+  at::Tensor gamma, beta;
+  TORCH_CHECK(norm_weight.has_value() == norm_bias.has_value(), "tile_linear: a norm takes both its weight and bias");
+  if (norm_weight.has_value()) {
+    gamma = norm_weight->contiguous();
+    beta = norm_bias->contiguous();
+    TORCH_CHECK(gamma.scalar_type() == at::kBFloat16 && gamma.numel() == K && beta.scalar_type() == at::kBFloat16 &&
+                    beta.numel() == K,
+                "tile_linear: the norm's weight and bias are not bfloat16 [", K, "]");
+  }
+  const Norm nm{gamma.defined() ? reinterpret_cast<const uint16_t*>(gamma.data_ptr<c10::BFloat16>()) : nullptr,
+                beta.defined() ? reinterpret_cast<const uint16_t*>(beta.data_ptr<c10::BFloat16>()) : nullptr,
+                static_cast<float>(eps)};
   const Epilogue e{b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr<c10::BFloat16>()) : nullptr,
                    res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr<c10::BFloat16>()) : nullptr, gelu,
                    reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), N};
@@ -245,7 +294,7 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& wp, const c10::opt
       auto blocks = std::make_unique<Blocks>(KB, e);
       for (int64_t m0 = begin * BLOCK; m0 < end * BLOCK; m0 += chunk) {
         const int64_t rows = std::min(chunk, end * BLOCK - m0);
-        pack_rows(xs, K, m0, rows, a);
+        pack_rows(xs, K, m0, rows, a, nm);
         for (int64_t g = 0; g < N; g += group)
           for (int64_t mb = 0; mb < rows / BLOCK; ++mb)
             for (int64_t n = g; n < std::min(N, g + group); n += BLOCK)
@@ -261,7 +310,8 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& wp, const c10::opt
 
 TORCH_LIBRARY_FRAGMENT(caldrix, m) {
   m.def("tile_pack_weight(Tensor w) -> Tensor");
-  m.def("tile_linear(Tensor x, Tensor wp, Tensor? bias, Tensor? residual, bool gelu) -> Tensor");
+  m.def("tile_linear(Tensor x, Tensor wp, Tensor? bias, Tensor? residual, bool gelu, Tensor? norm_weight=None, "
+        "Tensor? norm_bias=None, float eps=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(caldrix, CPU, m) {

@@ -119,9 +119,9 @@ class EncoderLayer(nn.Module):
         N, n, d = x.shape
         h = self.heads
         if self.packing == "tiles":
-            attn = torch.ops.caldrix.tile_attend(self.wqkv(self.norm1(x)), h, (d // h) ** -0.5)
+            attn = torch.ops.caldrix.tile_attend(self.wqkv(x, norm=self.norm1), h, (d // h) ** -0.5)
             x = self.wo(attn, residual=x)
-            return self.fc2(self.fc1(self.norm2(x), gelu=True), residual=x)
+            return self.fc2(self.fc1(x, norm=self.norm2, gelu=True), residual=x)
         qkv = self.wqkv(self.norm1(x)).view(N, n, 3, h, d // h).permute(2, 0, 3, 1, 4)  # [3, N, H, n, E]
         attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # every patch sees every patch of its tile
         attn = attn.transpose(1, 2).reshape(N, n, d)
