@@ -13,9 +13,10 @@ import torch
 from caldrix.engine import Engine
 from caldrix.models import model_type
 from caldrix.protocol import EmbedSpan
+from caldrix.vision import preprocess as pp
 from caldrix.vision.prompt import image_runs
 from engine_util import generate
-from test_idefics3 import CASES, IMAGE, build, image, tiny_reference
+from test_idefics3 import CASES, IMAGE, SETTINGS, build, image, tiny_reference
 
 STEPS = 32
 
@@ -78,3 +79,18 @@ def test_engine_greedy_matches_transformers(tiny_dir, together):
     assert got == want
     assert all(len(set(g)) > 3 for g in got)  # replies that move
     assert not engine.embeddings  # the scheduler dropped every key at the request's end
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_pixels_in_the_engines_dtype_give_the_same_features(tiny_dir, dtype):
+    """The server preprocesses into Engine.pixel_dtype (vision/serving.py): a bfloat16 engine
+    takes bfloat16 pixels, and its features are the ones float32 pixels give (its tower casts
+    them to bfloat16 first); a float32 engine keeps float32 pixels."""
+    _, path = tiny_dir
+    engine = Engine.load(path, dtype=dtype, max_batch=1, context=512)
+    assert engine.pixel_dtype == dtype
+    im = image(70, 50, 3)
+    full = pp.preprocess(im, "auto", SETTINGS)
+    own = pp.preprocess(im, "auto", SETTINGS, engine.pixel_dtype)
+    assert own.pixels.dtype == dtype
+    assert torch.equal(engine.embed_images(own.pixels), engine.embed_images(full.pixels))

@@ -106,13 +106,12 @@ class EncoderLayer(nn.Module):
         caldrix::tile_attend for the attention and the GELU in fc1's epilogue; otherwise
         oneDNN's PackedLinears, the GELU inside fc1's call and the residual sums inside wo's
         and fc2's, and torch's SDPA."""
-        kind = TileLinear if tiles else PackedLinear
         for name in ("wqkv", "wo", "fc1", "fc2"):
             lin = getattr(self, name)
-            if tiles or name != "fc1":
-                setattr(self, name, kind(lin.weight, lin.bias))
+            if tiles:
+                setattr(self, name, TileLinear(lin.weight, lin.bias))
             else:
-                self.fc1 = PackedLinear(lin.weight, lin.bias, gelu="tanh")
+                setattr(self, name, PackedLinear(lin.weight, lin.bias, gelu="tanh" if name == "fc1" else ""))
         self.packing = "tiles" if tiles else "onednn"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
