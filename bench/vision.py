@@ -13,9 +13,10 @@ SmolVLM's ids. Two prompts: a 512x512 PNG with detail "low" (one tile, 67 image 
 Time to first token counts, on each side: decoding the PNG, the image processor, laying out
 and tokenizing the prompt, the vision tower, the prompt pass and the first pick.
 - transformers: Idefics3Processor (its PIL image processor) then generate(max_new_tokens=1).
-- caldrix: caldrix/vision/preprocess.py (pixels in the tower's dtype), Idefics3.image_features, the prompt in `--chunk`-row
-  chunks (default 128, the server's --prefill-chunk), the last token in the last chunk, as the
-  engine runs an image request.
+- caldrix: caldrix/vision/preprocess.py (pixels in the tower's dtype), Idefics3.image_features,
+  the prompt in `--chunk`-row chunks (default 512: the server's --prefill-chunk where its
+  lanes overlap, else 128), the last token in the last chunk, as the engine runs an image
+  request.
 Each side runs in its own process (peak memory is that process's high-water mark over the
 case, reset before it through /proc/self/clear_refs, model included), warmed up with one
 untimed low case; the cases then run interleaved across the sides, `--rounds` times, and the
@@ -142,7 +143,7 @@ def child_caldrix(path: Path, dtype_name: str) -> None:
     rows = 8192
     model.setup_rope(rows)
     kv = Idefics3.new_state(model.cfg, 1, rows, dtype, "cpu")
-    chunk = int(os.environ.get("CALDRIX_BENCH_CHUNK", "128"))
+    chunk = int(os.environ.get("CALDRIX_BENCH_CHUNK", "512"))
     pixel_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # as Engine.pixel_dtype
 
     def ttft(data: bytes, detail: str) -> tuple[float, int, int]:
@@ -185,7 +186,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="caldrix's --dtype (auto: bfloat16 where the CPU has it)")
     ap.add_argument("--hf-dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--chunk", type=int, default=128, help="caldrix's prompt chunk (the server's --prefill-chunk)")
+    ap.add_argument("--chunk", type=int, default=512,
+                    help="caldrix's prompt chunk (the server's default --prefill-chunk where its lanes overlap, else 128)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", choices=["hf", "caldrix"], help=argparse.SUPPRESS)
     ap.add_argument("--path", type=Path, help=argparse.SUPPRESS)

@@ -43,13 +43,16 @@ from caldrix.weight_budget import stream_layers
 log = logging.getLogger("caldrix")
 
 PARALLEL_PREFILL_TOKENS = 256  # prompt tokens in a step from which every core is used
-# --prefill-chunk's default: PREFILL_CHUNK, or PREFILL_CHUNK_AMX where an engine's prompt chunks
-# unpack 4-bit blocks for AMX matmuls and run beside decode steps (`default_prefill_chunk`).
-# Measured with bench/serve.py on the 2-core AMX Xeon, 128 against 512: 512-token TTFT 383 / 285
-# ms, the newcomer beside four streams 777 / 547 ms, those streams' ITL p99 47.9 / 46.7 ms (a
-# step packs short prompts up to PREFILL_CHUNK tokens all the same: runtime.load_runtime).
-# Elsewhere a chunk that runs between decode steps would stall them for four times as long.
-PREFILL_CHUNK, PREFILL_CHUNK_AMX = 128, 512
+# --prefill-chunk's default: PREFILL_CHUNK_LANES where prompt chunks run beside decode steps
+# (`overlap_lanes`, probed at that size), else PREFILL_CHUNK (`default_prefill_chunk`). Beside
+# decode steps a longer chunk costs the running streams nothing, and prompts go faster: measured
+# on the 2-core AMX Xeon, 128 against 512, the 4-bit SmolLM2 through bench/serve.py (512-token
+# TTFT 383 / 285 ms, the newcomer beside four streams 777 / 547 ms, those streams' ITL p99
+# 47.9 / 46.7 ms); the dense bfloat16 SmolLM2's prompt pass, 512 tokens 280 / 195 ms and 1000
+# tokens 572 / 438 ms; SmolVLM's 877-token image prompt 526 / 375 ms (a step packs short prompts
+# up to PREFILL_CHUNK tokens all the same: runtime.load_runtime). Between decode steps a chunk
+# would stall them for four times as long, so those engines keep 128.
+PREFILL_CHUNK, PREFILL_CHUNK_LANES = 128, 512
 
 
 def cpu_has_native_bf16() -> bool:
@@ -100,6 +103,7 @@ class Engine:
         # Why a decode step and a prefill chunk may not run at once (None: they may), set by
         # check_lanes(), which Engine.load runs; an engine built otherwise runs one step at a time.
         self.lanes_why: str | None = "not checked"
+        self.lanes_chunk = PREFILL_CHUNK  # the prefill chunk check_lanes() probed last
         self.scripted_rows = False  # decode-form layers run as one TorchScript call (kernels/scripted.py)
         self.scripted_pass = False  # and the embedding, head and arg-max with them (scripted.decode_logits)
         # Decode-form attention through the compiled kernel (kernels/native.py), for every decode
@@ -171,8 +175,9 @@ class Engine:
 
     @property
     def default_prefill_chunk(self) -> int:
-        """--prefill-chunk when the flag is not given (PREFILL_CHUNK_AMX says why two values)."""
-        return PREFILL_CHUNK_AMX if self.unpacks_prompts and self.overlap_lanes else PREFILL_CHUNK
+        """--prefill-chunk when the flag is not given (PREFILL_CHUNK_LANES says why two values):
+        the chunk size check_lanes() probed, where the lanes overlap."""
+        return self.lanes_chunk if self.overlap_lanes else PREFILL_CHUNK
 
     @property
     def overlap_lanes(self) -> bool:
@@ -201,7 +206,13 @@ class Engine:
             why = f"{self.dtype} is not probed"
         else:
             try:
-                why = engine_probes.threads_differ(self, PREFILL_CHUNK_AMX if self.unpacks_prompts else PREFILL_CHUNK)
+                # at the long chunk first; where only that chunk's bits differed, the lanes may
+                # still overlap with the short one
+                for chunk in (PREFILL_CHUNK_LANES, PREFILL_CHUNK):
+                    why = engine_probes.threads_differ(self, chunk)
+                    self.lanes_chunk = chunk
+                    if why is None or engine_probes.LONG_CHUNK not in why:
+                        break
             finally:
                 self._rows[0] = []
         self.lanes_why = why

@@ -15,6 +15,7 @@ from caldrix.models.base import Attend
 
 # threads_differ probes a prefill chunk of the default --prefill-chunk and an uneven tail.
 LANE_PROBE_TAIL = 37
+LONG_CHUNK = "prefill chunk"  # names the `chunk`-token chunk in threads_differ's answer (only that one)
 
 
 def threads_differ(engine, chunk: int) -> str | None:
@@ -27,7 +28,7 @@ def threads_differ(engine, chunk: int) -> str | None:
     n2 = min(LANE_PROBE_TAIL, engine.context - n1 - 1)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, engine.vocab_size, (n1 + n2 + 1,), generator=g)
-    names = (f"a {n1}-token prefill chunk", f"a {n2}-token prefill chunk", "a decode step", "a decode step's logits")
+    names = (f"a {n1}-token {LONG_CHUNK}", f"a {n2}-token tail chunk", "a decode step", "a decode step's logits")
     got: dict[int, tuple[torch.Tensor, ...]] = {}
     saved = torch.get_num_threads()
     try:

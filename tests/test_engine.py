@@ -258,3 +258,28 @@ def test_packed_projections_give_the_plain_matmuls_bits(smollm2_dir):
         out.append(rows)
     for a, b in zip(*out):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_packed_projection_takes_long_calls_in_pieces(residual, two_threads):
+    """Decoder projections take at most CALL_ROWS rows a oneDNN call (pack_linears): a 300-row
+    call is the three calls of its 128, 128 and 44 rows, bit for bit, and the same on one
+    thread as on two (what the engine's lanes rest on); the vision tower's packed layers, built
+    without the bound, take their tiles whole."""
+    from caldrix.kernels.packed import CALL_ROWS, PackedLinear, can_pack, pack_linears
+
+    if not can_pack(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN bfloat16 here: projections stay nn.Linear")
+    g = torch.Generator().manual_seed(0)
+    holder = torch.nn.Sequential(torch.nn.Linear(576, 960, bias=False).bfloat16())
+    assert pack_linears(holder) == 1 and holder[0].max_rows == CALL_ROWS == 128
+    assert PackedLinear(torch.zeros(32, 32, dtype=torch.bfloat16)).max_rows is None  # siglip's: whole tiles
+    lin = holder[0]
+    x = torch.randn(300, 576, generator=g).bfloat16()
+    r = torch.randn(300, 960, generator=g).bfloat16() if residual else None
+    whole = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        whole[threads] = lin(x, r) if residual else lin(x)
+    parts = [lin(x[i:i + 128], r[i:i + 128]) if residual else lin(x[i:i + 128]) for i in range(0, 300, 128)]
+    assert torch.equal(whole[2], torch.cat(parts)) and torch.equal(whole[1], whole[2])

@@ -282,16 +282,43 @@ def test_a_long_unpacked_call_gives_the_same_bits_on_one_thread_as_on_two(models
         torch.set_num_threads(saved)
 
 
-def test_the_default_prefill_chunk_follows_the_amx_prompt_path(smollm2_dir, gguf_file):
-    """--prefill-chunk's default: 512 where a 4-bit engine's prompt chunks unpack for AMX and its
-    lanes overlap (its start-up probe then ran a 512-row chunk on 1 and 2 threads), else 128."""
+def test_the_default_prefill_chunk_follows_the_lanes(smollm2_dir, gguf_file):
+    """--prefill-chunk's default: 512 where the lanes overlap (the start-up probe then ran a
+    512-row chunk on 1 and 2 threads, or a 128-row one where only the 512-row chunk differed),
+    else 128; 4-bit and dense alike."""
     engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=1200, int4_from=gguf_file)
     amx = q4.unpacks_long_calls() and engine.int4_ours and torch.get_num_threads() >= 2
     if amx:  # the probe's 512-row chunk must pass: unpacked calls run in 128-row pieces
         assert engine.unpacks_prompts and engine.lanes_why is None, engine.lanes_why
-    assert engine.default_prefill_chunk == (512 if amx else 128)
-    dense = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=256)
-    assert not dense.unpacks_prompts and dense.default_prefill_chunk == 128
+        assert engine.default_prefill_chunk == 512
+    dense = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=1200)
+    assert not dense.unpacks_prompts
+    for e in (engine, dense):
+        assert e.default_prefill_chunk == (e.lanes_chunk if e.overlap_lanes else 128)
+    if torch.get_num_threads() >= 2:  # dense matmuls run in 128-row pieces (kernels/packed.CALL_ROWS)
+        assert dense.overlap_lanes and dense.default_prefill_chunk == 512, dense.lanes_why
+
+
+def test_the_lane_probe_falls_back_to_the_short_chunk(smollm2_dir, monkeypatch, two_threads):
+    """Where only the long probe chunk's bits follow the thread count, the lanes still overlap,
+    with 128-row chunks; where a decode step's do, they do not, whatever the chunk."""
+    engine = Engine.load(smollm2_dir, dtype=torch.bfloat16, max_batch=1, context=1200)
+    forward = engine.model.forward
+
+    def long_rows_differ(ids, at, kv):  # as a matmul that splits its sums past 128 rows would
+        h = forward(ids, at, kv)
+        return h + torch.get_num_threads() * 2.0**-10 if len(ids) > 128 else h
+
+    monkeypatch.setattr(engine.model, "forward", long_rows_differ)
+    assert engine.check_lanes() is None and engine.overlap_lanes
+    assert engine.lanes_chunk == 128 and engine.default_prefill_chunk == 128
+    monkeypatch.setattr(engine.model, "forward", forward)
+    head = engine.model.logits
+    monkeypatch.setattr(engine.model, "logits", lambda h: head(h) + torch.get_num_threads() * 2.0**-20)
+    assert engine.check_lanes().startswith("a decode step's logits") and engine.default_prefill_chunk == 128
+    monkeypatch.setattr(engine.model, "logits", head)
+    assert engine.check_lanes() is None and engine.default_prefill_chunk == 512
+    assert engine._rows[0] == []
 
 
 def test_q8_rows_reads_back_the_q8_0_weights():

@@ -26,8 +26,10 @@ class PackedLinear(nn.Module):
     `gelu`: "" for no activation, or "tanh"/"none" for GELU with that approximation, applied in
     the same oneDNN call (as F.gelu(..., approximate=gelu) would)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str = ""):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str = "",
+                 max_rows: int | None = None):
         super().__init__()
+        self.max_rows = max_rows  # calls of more rows run in pieces of this many (CALL_ROWS says why)
         self.out_features, self.in_features = weight.shape
         # no batch-size hint: with one (1) the prefill's 1000-row matmuls ran 20-35% slower,
         # and one-row ones no faster
@@ -39,6 +41,11 @@ class PackedLinear(nn.Module):
         """With `residual` [..., out]: residual + x W^T + b, the sum taken inside the same call
         (in float32, rounded once), which spares a pass over the output (no activation then)."""
         x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.max_rows is not None and x2.shape[0] > self.max_rows:
+            parts = (x2.split(self.max_rows),) if residual is None else (
+                x2.split(self.max_rows), residual.reshape(-1, self.out_features).split(self.max_rows))
+            y = torch.cat([self(*p) for p in zip(*parts)])
+            return y.view(*x.shape[:-1], self.out_features)
         if residual is None:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, self.attr, [], self.algorithm)
         else:
@@ -76,6 +83,15 @@ class TileLinear(nn.Module):
         return torch.ops.caldrix.tile_linear(x, self.packed, self.bias, residual, gelu, norm.weight, norm.bias, norm.eps)
 
 
+# The most rows one decoder matmul takes (packed here, or a 4-bit layer's unpacked weights,
+# q4.UNPACKED_CALL_ROWS); a longer prompt chunk is multiplied in pieces of this many. oneDNN gave
+# every row the same bits on one thread as on two up to here, and not always past it (on the
+# 2-core AMX Xeon: SmolLM2's 576 -> 960 projection at 512 rows, its 1536 -> 576 one at 256, the
+# unpacked ones at 384 and 512: it splits the sums between threads there), and the engine's
+# lanes rest on that (Engine.check_lanes probes a chunk of PREFILL_CHUNK_LANES rows).
+CALL_ROWS = 128
+
+
 def pack_linears(module: nn.Module) -> int:
     """Swap every bias-free nn.Linear under `module` (other layer types, 4-bit ones included, stay
     as they are) for a PackedLinear of its weight: the same bits as the plain matmul. Returns
@@ -88,6 +104,6 @@ def pack_linears(module: nn.Module) -> int:
     # alive until the last is packed
     for parent in [m for m in module.modules() if any(takes(c) for c in m.children())]:
         for name in [n for n, c in parent.named_children() if takes(c)]:
-            setattr(parent, name, PackedLinear(getattr(parent, name).weight))
+            setattr(parent, name, PackedLinear(getattr(parent, name).weight, max_rows=CALL_ROWS))
             count += 1
     return count

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from caldrix.kernels import native
+from caldrix.kernels.packed import CALL_ROWS
 
 GROUP = 32
 Q4_1 = 3  # ggml type id
@@ -95,10 +96,8 @@ MAX_INT4_ROWS = 8
 # add its cost.
 UNPACK_FROM_ROWS = 32
 # The most rows one matmul on unpacked weights takes; a longer chunk is multiplied in pieces of
-# this many, against one unpacking. oneDNN gave every row the same bits on one thread as on two
-# up to here, and not at 384 and 512 rows (it splits the sums between threads there), and the
-# engine's lanes rest on that (Engine.check_lanes probes a 128-row chunk).
-UNPACKED_CALL_ROWS = 128
+# this many, against one unpacking: the dense decoder matmuls' bound (packed.CALL_ROWS says why).
+UNPACKED_CALL_ROWS = CALL_ROWS
 
 
 def unpacks_long_calls() -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from caldrix.kernels.packed import PackedLinear, can_pack
+from caldrix.kernels.packed import CALL_ROWS, PackedLinear, can_pack
 from caldrix.kernels.q4 import GROUP, available
 
 
@@ -118,7 +118,7 @@ class QuantizedLinear(nn.Module):
         self.dense: nn.Module | None = None
         if dense_copy:
             w = dequantized(q, d, m, self.vnni)
-            self.dense = PackedLinear(w) if can_pack(torch.bfloat16, "cpu") else _Plain(w)
+            self.dense = PackedLinear(w, max_rows=CALL_ROWS) if can_pack(torch.bfloat16, "cpu") else _Plain(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
