@@ -39,7 +39,6 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 namespace {
 
@@ -208,12 +207,13 @@ at::Tensor tile_attend(const at::Tensor& qkv, int64_t heads, double scale) {
   at::Tensor out = at::empty({N, n, D}, qkv.options());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t per_head = n * E / 2;  // uint32 words of one head's packed keys, and of its values
-  std::vector<uint32_t> kp(N * heads * per_head), vp(N * heads * per_head);
+  // uninitialised: pack_head writes every word (a std::vector zeroed 3 MB a tile and call first)
+  const std::unique_ptr<uint32_t[]> kp(new uint32_t[N * heads * per_head]), vp(new uint32_t[N * heads * per_head]);
   at::parallel_for(0, N * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       const uint16_t* base = src + b * n * ld + h * E;
-      pack_head(base + D, base + 2 * D, n, ld, kp.data() + bh * per_head, vp.data() + bh * per_head);
+      pack_head(base + D, base + 2 * D, n, ld, kp.get() + bh * per_head, vp.get() + bh * per_head);
     }
   });
   const int64_t blocks = n / ROWS;
@@ -222,7 +222,7 @@ at::Tensor tile_attend(const at::Tensor& qkv, int64_t heads, double scale) {
     auto scratch = std::make_unique<Scratch>();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, t0 = (task % blocks) * ROWS, b = bh / heads, h = bh % heads;
-      attend_rows(src + (b * n + t0) * ld + h * E, ld, kp.data() + bh * per_head, vp.data() + bh * per_head, n,
+      attend_rows(src + (b * n + t0) * ld + h * E, ld, kp.get() + bh * per_head, vp.get() + bh * per_head, n,
                   static_cast<float>(scale), *scratch, dst + (b * n + t0) * D + h * E, D);
     }
     _tile_release();
