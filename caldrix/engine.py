@@ -48,10 +48,11 @@ PARALLEL_PREFILL_TOKENS = 256  # prompt tokens in a step from which every core i
 # decode steps a longer chunk costs the running streams nothing, and prompts go faster: measured
 # on the 2-core AMX Xeon, 128 against 512, the 4-bit SmolLM2 through bench/serve.py (512-token
 # TTFT 383 / 285 ms, the newcomer beside four streams 777 / 547 ms, those streams' ITL p99
-# 47.9 / 46.7 ms); the dense bfloat16 SmolLM2's prompt pass, 512 tokens 280 / 195 ms and 1000
-# tokens 572 / 438 ms; SmolVLM's 877-token image prompt 526 / 375 ms (a step packs short prompts
-# up to PREFILL_CHUNK tokens all the same: runtime.load_runtime). Between decode steps a chunk
-# would stall them for four times as long, so those engines keep 128.
+# 47.9 / 46.7 ms); the dense bfloat16 SmolLM2's prompt pass, 512 tokens 235 / 199 ms and 1000
+# tokens 524 / 470 ms; SmolVLM's 877-token text pass 478 / 418 ms, its matmuls 128 rows a call
+# either way (packed.CALL_ROWS; a step packs short prompts up to PREFILL_CHUNK tokens all the
+# same: runtime.load_runtime). Between decode steps a chunk would stall them four times as
+# long, so those engines keep 128.
 PREFILL_CHUNK, PREFILL_CHUNK_LANES = 128, 512
 
 
