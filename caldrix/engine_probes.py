@@ -13,7 +13,8 @@ import torch
 from caldrix.batch import MAX_DRAFT_TOKENS, Run
 from caldrix.models.base import Attend
 
-# threads_differ probes a prefill chunk of the default --prefill-chunk and an uneven tail.
+# threads_differ probes a prefill chunk of the size Engine.check_lanes asks for (512, then 128) and
+# an uneven tail.
 LANE_PROBE_TAIL = 37
 LONG_CHUNK = "prefill chunk"  # names the `chunk`-token chunk in threads_differ's answer (only that one)
 

@@ -67,7 +67,8 @@ def test_a_long_prompt_arriving_mid_stream_changes_no_reply(server, smollm2_dir)
     # start-up names the step that differed. The replies above must hold either way.
     # The default chunk is 512 where the lanes overlap (Engine.default_prefill_chunk; 128 where
     # only the probe's 512-row chunk differed), else 128: a 600-token prompt is two or five chunks.
-    beside = any(f"prefill chunks of {chunk} beside decode steps, one core each" in server.stderr for chunk in (512, 128))
+    beside = any(f"prefill chunks of {chunk} beside decode steps, one core each" in server.stderr
+                 for chunk in (512, 128))
     assert beside or "prefill chunks of 128 between decode steps (" in server.stderr, server.stderr
     assert beside or dtype == "float32"
 
