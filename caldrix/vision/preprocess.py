@@ -286,7 +286,8 @@ def preprocess(im: Image.Image, detail: str, s: ProcessorSettings = SMOLVLM_256M
     raw = np.stack([np.asarray(f) for f in frames])  # [N, T, T, 3] uint8
     # torch's memory, not numpy's: numpy asks Linux for huge pages on arrays this big, and the
     # compaction behind that stalled the 40 MB of a high-detail image's pixels 0.15-0.3 s in
-    # two of three requests on this project's machine (0.1 s without it)
+    # two of three requests on this project's machine (0.1 s without it). Fresh pages from
+    # torch's allocator have stalled there too at other times (docs/vision.md, "Speed").
     pixels = torch.empty((raw.shape[0], 3, *raw.shape[1:3]), dtype=dtype)
     out = pixels.numpy() if dtype == torch.float32 else pixels.view(torch.int16).numpy()
     for c in range(3):  # numpy indexes by the bytes themselves: a third faster than torch's int64 indices
