@@ -37,6 +37,7 @@ from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models import loader
 from caldrix.models.base import Attend, Loaded, Snapshot
 from caldrix.device_pick import pick_runs
+from caldrix.kernels.packed import split_calls
 from caldrix.sampler import greedy_batch, pick_run, plain_greedy
 from caldrix.weight_budget import stream_layers
 
@@ -207,6 +208,7 @@ class Engine:
             why = f"{self.dtype} is not probed"
         else:
             try:
+                split_calls(self.model, True)
                 # at the long chunk first; where only that chunk's bits differed, the lanes may
                 # still overlap with the short one
                 for chunk in (PREFILL_CHUNK_LANES, PREFILL_CHUNK):
@@ -216,6 +218,7 @@ class Engine:
                         break
             finally:
                 self._rows[0] = []
+        split_calls(self.model, why is None)  # the pieces serve the lanes only
         self.lanes_why = why
         return why
 

@@ -316,9 +316,20 @@ def test_the_lane_probe_falls_back_to_the_short_chunk(smollm2_dir, monkeypatch, 
     head = engine.model.logits
     monkeypatch.setattr(engine.model, "logits", lambda h: head(h) + torch.get_num_threads() * 2.0**-20)
     assert engine.check_lanes().startswith("a decode step's logits") and engine.default_prefill_chunk == 128
+    # without the lanes every step runs on every core: the 128-row pieces only cost time
+    assert {m.max_rows for m in packed_layers(engine)} == {None}
     monkeypatch.setattr(engine.model, "logits", head)
     assert engine.check_lanes() is None and engine.default_prefill_chunk == 512
+    assert {m.max_rows for m in packed_layers(engine)} == {128}
     assert engine._rows[0] == []
+
+
+def packed_layers(engine):
+    from caldrix.kernels.packed import PackedLinear
+
+    layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) >= 4 * engine.model.cfg.num_layers
+    return layers
 
 
 def test_q8_rows_reads_back_the_q8_0_weights():

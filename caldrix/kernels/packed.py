@@ -29,7 +29,9 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str = "",
                  max_rows: int | None = None):
         super().__init__()
-        self.max_rows = max_rows  # calls of more rows run in pieces of this many (CALL_ROWS says why)
+        # calls of more rows run in pieces of max_rows (CALL_ROWS says why), while split_calls
+        # has them on; call_rows is the bound it restores
+        self.max_rows = self.call_rows = max_rows
         self.out_features, self.in_features = weight.shape
         # no batch-size hint: with one (1) the prefill's 1000-row matmuls ran 20-35% slower,
         # and one-row ones no faster
@@ -90,6 +92,17 @@ class TileLinear(nn.Module):
 # unpacked ones at 384 and 512: it splits the sums between threads there), and the engine's
 # lanes rest on that (Engine.check_lanes probes a chunk of PREFILL_CHUNK_LANES rows).
 CALL_ROWS = 128
+
+
+def split_calls(module: nn.Module, on: bool) -> None:
+    """Turn the CALL_ROWS pieces of every PackedLinear under `module` that has them on or off.
+    They exist for the engine's lanes, which need a chunk's bits not to depend on the thread
+    count; where the lanes do not overlap, every step runs on every core and the pieces only
+    cost time (Qwen3.5 at decider-0.8b's shape, a 1000-row prefill in one call: 2.47 s whole,
+    2.82 s in pieces). Engine.check_lanes sets them."""
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            m.max_rows = m.call_rows if on else None
 
 
 def pack_linears(module: nn.Module) -> int:
