@@ -3,10 +3,11 @@
 Why one file of a little over 400 lines: the step and the per-slot bookkeeping (snapshots,
 embeddings, draft runs) read and write the same private state (`_rows`, `_snapshots`, the state
 tensors), which this class alone keeps consistent; what does not touch that state lives
-elsewhere. The two start-up probes' measurements are in engine_probes.py (through the public
-decode passes, `decode_hidden` and `decode_logits`; check_lanes and check_verify here say when
-they run and keep the answers), the device pick's batching in device_pick.pick_runs, the layer
-streaming in weight_budget.stream_layers.
+elsewhere. The two start-up probes, and what their answers decide (the default prefill chunk
+included), are in engine_probes.py (through the public decode passes, `decode_hidden` and
+`decode_logits`; check_lanes and check_verify here keep the answers and empty the probe's
+slot), the device pick's batching in device_pick.pick_runs, the layer streaming in
+weight_budget.stream_layers.
 
 Contract: `step` blocks for one forward pass and must be called from one thread at a time (the
 scheduler runs it in a worker thread through a limiter of one). It never touches trio, routes or
@@ -33,28 +34,17 @@ import attrs
 import torch
 
 from caldrix import engine_probes
+from caldrix.engine_probes import PREFILL_CHUNK
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models import loader
 from caldrix.models.base import Attend, Loaded, Snapshot
 from caldrix.device_pick import pick_runs
-from caldrix.kernels.packed import split_calls
 from caldrix.sampler import greedy_batch, pick_run, plain_greedy
 from caldrix.weight_budget import stream_layers
 
 log = logging.getLogger("caldrix")
 
 PARALLEL_PREFILL_TOKENS = 256  # prompt tokens in a step from which every core is used
-# --prefill-chunk's default: PREFILL_CHUNK_LANES where prompt chunks run beside decode steps
-# (`overlap_lanes`, probed at that size), else PREFILL_CHUNK (`default_prefill_chunk`). Beside
-# decode steps a longer chunk costs the running streams nothing, and prompts go faster: measured
-# on the 2-core AMX Xeon, 128 against 512, the 4-bit SmolLM2 through bench/serve.py (512-token
-# TTFT 383 / 285 ms, the newcomer beside four streams 777 / 547 ms, those streams' ITL p99
-# 47.9 / 46.7 ms); the dense bfloat16 SmolLM2's prompt pass, 512 tokens 235 / 199 ms and 1000
-# tokens 524 / 470 ms; SmolVLM's 877-token text pass 478 / 418 ms, its matmuls 128 rows a call
-# either way (packed.CALL_ROWS; a step packs short prompts up to PREFILL_CHUNK tokens all the
-# same: runtime.load_runtime). Between decode steps a chunk would stall them four times as
-# long, so those engines keep 128.
-PREFILL_CHUNK, PREFILL_CHUNK_LANES = 128, 512
 
 
 def cpu_has_native_bf16() -> bool:
@@ -105,7 +95,7 @@ class Engine:
         # Why a decode step and a prefill chunk may not run at once (None: they may), set by
         # check_lanes(), which Engine.load runs; an engine built otherwise runs one step at a time.
         self.lanes_why: str | None = "not checked"
-        self.lanes_chunk = PREFILL_CHUNK  # the prefill chunk check_lanes() probed last
+        self.lanes_chunk = PREFILL_CHUNK  # the default prefill chunk check_lanes() found
         self.scripted_rows = False  # decode-form layers run as one TorchScript call (kernels/scripted.py)
         self.scripted_pass = False  # and the embedding, head and arg-max with them (scripted.decode_logits)
         # Decode-form attention through the compiled kernel (kernels/native.py), for every decode
@@ -177,8 +167,8 @@ class Engine:
 
     @property
     def default_prefill_chunk(self) -> int:
-        """--prefill-chunk when the flag is not given (PREFILL_CHUNK_LANES says why two values):
-        the chunk size check_lanes() probed, where the lanes overlap."""
+        """--prefill-chunk when the flag is not given (engine_probes.PREFILL_CHUNK_LANES says why
+        two values): the chunk size check_lanes() found, where the lanes overlap."""
         return self.lanes_chunk if self.overlap_lanes else PREFILL_CHUNK
 
     @property
@@ -191,35 +181,18 @@ class Engine:
     @torch.inference_mode()
     def check_lanes(self) -> str | None:
         """Whether this engine's steps give the same bits on one thread as on `max_threads`:
-        None if they do, else why not. The answer is kept in `lanes_why`.
+        None if they do, else why not. The answer is kept in `lanes_why`, and the chunk size
+        that passed in `lanes_chunk`.
 
         Overlapped lanes run a decode step and a prefill chunk on one core each, and either
         alone on every core, so a reply would otherwise depend on whether another prompt was
-        arriving. Measured, not assumed: whether a matmul splits its sums by thread count is
-        a property of the kernel torch picks for the dtype, shape and CPU (bfloat16 and the
-        4-bit kernels keep them whole; float32 dense did on one development machine and not
-        on another). The probe is engine_probes.threads_differ; it runs before the scheduler
-        has admitted anything and leaves slot 0 empty."""
-        if self.device != "cpu":
-            why = "a GPU runs one step at a time"
-        elif self.max_threads < 2:
-            why = "one thread: nothing to overlap"
-        elif self.dtype not in (torch.bfloat16, torch.float32):
-            why = f"{self.dtype} is not probed"
-        else:
-            try:
-                split_calls(self.model, True)
-                # at the long chunk first; where only that chunk's bits differed, the lanes may
-                # still overlap with the short one
-                for chunk in (PREFILL_CHUNK_LANES, PREFILL_CHUNK):
-                    why = engine_probes.threads_differ(self, chunk)
-                    self.lanes_chunk = chunk
-                    if why is None or engine_probes.LONG_CHUNK not in why:
-                        break
-            finally:
-                self._rows[0] = []
-        split_calls(self.model, why is None)  # the pieces serve the lanes only
-        self.lanes_why = why
+        arriving. Measured, not assumed (engine_probes.lanes says how); it runs before the
+        scheduler has admitted anything and leaves slot 0 empty."""
+        try:
+            why, chunk = engine_probes.lanes(self)
+        finally:
+            self._rows[0] = []
+        self.lanes_why, self.lanes_chunk = why, chunk
         return why
 
     @property

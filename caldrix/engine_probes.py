@@ -1,9 +1,12 @@
 """The engine's two start-up probes: measurements, on the engine's own model and state, of what
-its kernels do on this machine, which decide how the engine may be driven.
+its kernels do on this machine, which decide how the engine may be driven: whether prompt
+chunks may run beside decode steps, and at which default chunk size (`lanes`), and whether a
+verify pass computes its rows as decode steps do (`verify_differs`).
 
 Both write slot 0 only, before the scheduler has admitted anything; Engine.check_lanes and
 Engine.check_verify call them, keep the answers and empty the slot's token mirror after. They
-use the engine's public parts (model, state, decode_hidden, decode_logits, threads_for).
+use the engine's public parts (model, state, dtype, device, max_threads, decode_hidden,
+decode_logits, threads_for).
 """
 
 from __future__ import annotations
@@ -11,12 +14,50 @@ from __future__ import annotations
 import torch
 
 from caldrix.batch import MAX_DRAFT_TOKENS, Run
+from caldrix.kernels.packed import split_calls
 from caldrix.models.base import Attend
 
-# threads_differ probes a prefill chunk of the size Engine.check_lanes asks for (512, then 128) and
-# an uneven tail.
+# --prefill-chunk's default: PREFILL_CHUNK_LANES where prompt chunks run beside decode steps
+# (Engine.overlap_lanes, probed at that size), else PREFILL_CHUNK. Beside decode steps a longer
+# chunk costs the running streams nothing, and prompts go faster: measured on the 2-core AMX
+# Xeon, 128 against 512, the 4-bit SmolLM2 through bench/serve.py (512-token TTFT 383 / 285 ms,
+# the newcomer beside four streams 777 / 547 ms, those streams' ITL p99 47.9 / 46.7 ms); the
+# dense bfloat16 SmolLM2's prompt pass, 512 tokens 235 / 199 ms and 1000 tokens 524 / 470 ms;
+# SmolVLM's 877-token text pass 478 / 418 ms, its matmuls 128 rows a call either way
+# (packed.CALL_ROWS; a step packs short prompts up to PREFILL_CHUNK tokens all the same:
+# runtime.load_runtime). Between decode steps a chunk would stall them four times as long, so
+# those engines keep 128.
+PREFILL_CHUNK, PREFILL_CHUNK_LANES = 128, 512
+
+# threads_differ probes a prefill chunk of the size `lanes` asks for and an uneven tail.
 LANE_PROBE_TAIL = 37
 LONG_CHUNK = "prefill chunk"  # names the `chunk`-token chunk in threads_differ's answer (only that one)
+
+
+def lanes(engine) -> tuple[str | None, int]:
+    """(None, the default chunk size) where the engine's steps give the same bits on one thread
+    as on `max_threads`, else (why not, PREFILL_CHUNK). Whether a matmul splits its sums by
+    thread count is a property of the kernel torch picks for the dtype, shape and CPU (bfloat16
+    and the 4-bit kernels keep them whole at the calls the engine makes; float32 dense did on one
+    development machine and not on another), so it is measured: threads_differ at a
+    PREFILL_CHUNK_LANES-row chunk, then, where only that chunk differed, at PREFILL_CHUNK rows.
+    The decoder matmuls' CALL_ROWS pieces stay on only where the lanes overlap: they serve the
+    lanes alone (packed.split_calls)."""
+    chunk = PREFILL_CHUNK
+    if engine.device != "cpu":
+        why = "a GPU runs one step at a time"
+    elif engine.max_threads < 2:
+        why = "one thread: nothing to overlap"
+    elif engine.dtype not in (torch.bfloat16, torch.float32):
+        why = f"{engine.dtype} is not probed"
+    else:
+        split_calls(engine.model, True)
+        for chunk in (PREFILL_CHUNK_LANES, PREFILL_CHUNK):
+            why = threads_differ(engine, chunk)
+            if why is None or LONG_CHUNK not in why:
+                break
+    split_calls(engine.model, why is None)
+    return why, chunk if why is None else PREFILL_CHUNK
 
 
 def threads_differ(engine, chunk: int) -> str | None:

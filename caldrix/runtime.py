@@ -154,7 +154,8 @@ def _quantize(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> bool:
 def load_runtime(cfg: ServeConfig) -> Runtime:
     from caldrix.decider import config as dconfig
     from caldrix.decider.plan import Decider
-    from caldrix.engine import PREFILL_CHUNK, Engine, resolve_dtype
+    from caldrix.engine import Engine, resolve_dtype
+    from caldrix.engine_probes import PREFILL_CHUNK
     from caldrix.weights.source import resolve
     from caldrix.sched.policy import Policy
     from caldrix.sched.slots import SlotTable

@@ -90,7 +90,7 @@ class TileLinear(nn.Module):
 # every row the same bits on one thread as on two up to here, and not always past it (on the
 # 2-core AMX Xeon: SmolLM2's 576 -> 960 projection at 512 rows, its 1536 -> 576 one at 256, the
 # unpacked ones at 384 and 512: it splits the sums between threads there), and the engine's
-# lanes rest on that (Engine.check_lanes probes a chunk of PREFILL_CHUNK_LANES rows).
+# lanes rest on that (engine_probes.lanes probes a chunk of PREFILL_CHUNK_LANES rows).
 CALL_ROWS = 128
 
 
