@@ -34,7 +34,6 @@ import attrs
 import torch
 
 from caldrix import engine_probes
-from caldrix.engine_probes import PREFILL_CHUNK
 from caldrix.batch import MAX_DRAFT_TOKENS, Batch, Run, RunOutput, StepOutput
 from caldrix.models import loader
 from caldrix.models.base import Attend, Loaded, Snapshot
@@ -95,7 +94,7 @@ class Engine:
         # Why a decode step and a prefill chunk may not run at once (None: they may), set by
         # check_lanes(), which Engine.load runs; an engine built otherwise runs one step at a time.
         self.lanes_why: str | None = "not checked"
-        self.lanes_chunk = PREFILL_CHUNK  # the default prefill chunk check_lanes() found
+        self.lanes_chunk = engine_probes.PREFILL_CHUNK  # the default prefill chunk check_lanes() found
         self.scripted_rows = False  # decode-form layers run as one TorchScript call (kernels/scripted.py)
         self.scripted_pass = False  # and the embedding, head and arg-max with them (scripted.decode_logits)
         # Decode-form attention through the compiled kernel (kernels/native.py), for every decode
@@ -169,7 +168,7 @@ class Engine:
     def default_prefill_chunk(self) -> int:
         """--prefill-chunk when the flag is not given (engine_probes.PREFILL_CHUNK_LANES says why
         two values): the chunk size check_lanes() found, where the lanes overlap."""
-        return self.lanes_chunk if self.overlap_lanes else PREFILL_CHUNK
+        return self.lanes_chunk if self.overlap_lanes else engine_probes.PREFILL_CHUNK
 
     @property
     def overlap_lanes(self) -> bool:

@@ -99,7 +99,7 @@ def split_calls(module: nn.Module, on: bool) -> None:
     They exist for the engine's lanes, which need a chunk's bits not to depend on the thread
     count; where the lanes do not overlap, every step runs on every core and the pieces only
     cost time (Qwen3.5 at decider-0.8b's shape, a 1000-row prefill in one call: 2.47 s whole,
-    2.82 s in pieces). Engine.check_lanes sets them."""
+    2.82 s in pieces). engine_probes.lanes sets them."""
     for m in module.modules():
         if isinstance(m, PackedLinear):
             m.max_rows = m.call_rows if on else None

@@ -196,7 +196,7 @@ def _table(s: ProcessorSettings, dtype: torch.dtype) -> np.ndarray:
             table = torch.from_numpy(table).to(torch.bfloat16).view(torch.int16).numpy()
         elif dtype != torch.float32:
             raise ValueError(f"pixels come as float32 or bfloat16, not {dtype}")
-        table = _TABLES[(s, dtype)] = table
+        _TABLES[(s, dtype)] = table
     return table
 
 
