@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from caldrix.vision import preprocess as pp
+from caldrix.vision import resize
 import vision_util
 from caldrix.vision.preprocess import SMOLVLM_256M, Grid, ImageTokens, ProcessorSettings
 
@@ -66,9 +67,9 @@ def make_image(width: int, height: int, mode: str, seed: int) -> Image.Image:
     return rgb.convert(mode)
 
 
-def compare_pixels(im: Image.Image, detail: str, s: ProcessorSettings):
+def compare_pixels(im: Image.Image, detail: str, s: ProcessorSettings, kernel: bool | None = None):
     ref = reference_processor(s, detail)(images=[[im]], return_tensors="pt", return_row_col_info=True)
-    ours = pp.preprocess(im, detail, s)
+    ours = pp.preprocess(im, detail, s, kernel=kernel)
     want = ref["pixel_values"][0]
     assert ours.pixels.dtype == torch.float32
     assert ours.pixels.shape == want.shape, (ours.pixels.shape, want.shape)
@@ -85,14 +86,17 @@ sides = st.integers(1, 700)
 
 @settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=sides, h=sides, mode=st.sampled_from(MODES), detail=st.sampled_from(["auto", "high", "low"]),
-       seed=st.integers(0, 2**16))
-@example(w=1, h=700, mode="RGB", detail="auto", seed=0)
-@example(w=700, h=1, mode="RGBA", detail="high", seed=0)
-@example(w=64, h=64, mode="RGB", detail="auto", seed=0)
-@example(w=65, h=3, mode="CMYK", detail="auto", seed=0)
-@example(w=30, h=40, mode="I;16", detail="auto", seed=0)
-def test_pixels_match_transformers_small_settings(w, h, mode, detail, seed):
-    compare_pixels(make_image(w, h, mode, seed), detail, SMALL)
+       seed=st.integers(0, 2**16), pillow=st.booleans())
+@example(w=1, h=700, mode="RGB", detail="auto", seed=0, pillow=False)
+@example(w=700, h=1, mode="RGBA", detail="high", seed=0, pillow=False)
+@example(w=64, h=64, mode="RGB", detail="auto", seed=0, pillow=False)
+@example(w=65, h=3, mode="CMYK", detail="auto", seed=0, pillow=False)
+@example(w=30, h=40, mode="I;16", detail="auto", seed=0, pillow=False)
+@example(w=2, h=3, mode="RGB", detail="auto", seed=0, pillow=False)
+@example(w=300, h=200, mode="RGB", detail="high", seed=0, pillow=True)
+def test_pixels_match_transformers_small_settings(w, h, mode, detail, seed, pillow):
+    """Both resizers: the compiled kernel where it was built (pillow False), and Pillow's."""
+    compare_pixels(make_image(w, h, mode, seed), detail, SMALL, kernel=False if pillow else None)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -133,7 +137,7 @@ def test_pixels_refuse_other_dtypes():
 @example(w_in=2048, h_in=1536, long_out=512, short_out=512, portrait=True, seed=0)
 @example(w_in=301, h_in=999, long_out=2048, short_out=618, portrait=True, seed=0)
 def test_two_thread_lanczos_is_pillows_resize(w_in, h_in, long_out, short_out, portrait, seed):
-    """pp.lanczos splits the longer output side in two halves on two threads where the halves'
+    """resize.lanczos splits the longer output side in two halves on two threads where the halves'
     boxes give Pillow the same filters (a power-of-two denominator in in / out: 1024 and 2048
     always, 1536 sometimes, 1000 for some inputs), and is one plain call otherwise: the same
     bytes either way."""
@@ -141,7 +145,46 @@ def test_two_thread_lanczos_is_pillows_resize(w_in, h_in, long_out, short_out, p
     size = (short_out, long_out) if portrait else (long_out, short_out)
     rgb = np.random.default_rng(seed).integers(0, 256, (h_in, w_in, 3), dtype=np.uint8)
     im = Image.fromarray(rgb, "RGB")
-    assert np.array_equal(np.asarray(pp.lanczos(im, size)), np.asarray(im.resize(size, Image.LANCZOS)))
+    assert np.array_equal(np.asarray(resize.lanczos(im, size)), np.asarray(im.resize(size, Image.LANCZOS)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w_in=st.integers(2, 1500), h_in=st.integers(1, 1500), w_out=st.integers(1, 2100), h_out=st.integers(1, 2100),
+       seed=st.integers(0, 2**16))
+@example(w_in=512, h_in=512, w_out=2048, h_out=2048, seed=0)
+@example(w_in=2048, h_in=2048, w_out=512, h_out=512, seed=0)
+@example(w_in=1024, h_in=768, w_out=2048, h_out=1536, seed=0)
+@example(w_in=2, h_in=1, w_out=9, h_out=7, seed=0)  # every output's taps reach both pixels
+@example(w_in=1400, h_in=30, w_out=1, h_out=2100, seed=0)  # columns first: the height grows
+@example(w_in=40, h_in=1500, w_out=39, h_out=3, seed=0)  # columns first: the height shrinks most
+@example(w_in=333, h_in=333, w_out=333, h_out=334, seed=0)  # one pass only
+def test_lanczos_kernel_is_pillows_resize(w_in, h_in, w_out, h_out, seed):
+    """caldrix::lanczos_rgb (kernels/resample.cpp) gives Pillow's bytes, in either pass order,
+    on two threads or one."""
+    from caldrix.kernels import native
+
+    if not native.has_lanczos_rgb():
+        pytest.skip("caldrix::lanczos_rgb is built for CPUs with AVX-512 F and BW")
+    rgb = np.random.default_rng(seed).integers(0, 256, (h_in, w_in, 3), dtype=np.uint8)
+    want = np.asarray(Image.fromarray(rgb, "RGB").resize((w_out, h_out), Image.LANCZOS))
+    order = resize._horizontal_first(w_in, h_in, w_out, h_out)
+    got = torch.ops.caldrix.lanczos_rgb(torch.from_numpy(rgb), w_out, h_out, order).numpy()
+    assert np.array_equal(got, want)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert np.array_equal(torch.ops.caldrix.lanczos_rgb(torch.from_numpy(rgb), w_out, h_out, order).numpy(), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_lanczos_kernel_refuses_one_pixel_rows():
+    from caldrix.kernels import native
+
+    if not native.has_lanczos_rgb():
+        pytest.skip("caldrix::lanczos_rgb is built for CPUs with AVX-512 F and BW")
+    with pytest.raises(RuntimeError, match="it takes 2 x 1 and up"):
+        torch.ops.caldrix.lanczos_rgb(torch.zeros((5, 1, 3), dtype=torch.uint8), 4, 4, True)
 
 
 def test_known_grids():
@@ -216,3 +259,15 @@ def test_placeholder_count_must_match():
     tokens = ImageTokens(fake=1, image=2, global_img=3, row_col=tuple(tuple(range(10, 16)) for _ in range(6)))
     with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
         pp.layout_prompt("<image><image>", [Grid(0, 0)], tokens, lambda t: [99])
+
+
+def test_a_kernel_that_disagrees_with_pillow_is_not_used(monkeypatch):
+    """resize.kernel_resizes() checks the kernel against the installed Pillow once a process,
+    and where the bytes differ, preprocessing keeps Pillow's resize."""
+    monkeypatch.setattr(resize.native, "has_lanczos_rgb", lambda: True)
+    monkeypatch.setattr(resize, "resize_array", lambda a, size: np.zeros((size[1], size[0], 3), np.uint8))
+    monkeypatch.setattr(resize, "_kernel_checked", None)
+    assert resize.kernel_resizes() is False
+    monkeypatch.setattr(resize, "_kernel_checked", None)
+    monkeypatch.undo()
+    assert resize.kernel_resizes() is resize.native.has_lanczos_rgb()

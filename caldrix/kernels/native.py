@@ -38,9 +38,11 @@ log = logging.getLogger("caldrix.engine")
 # AVX512-BF16; q4mm_f32.cpp: q4_mm_f32, where it has AVX2, FMA and F16C; delta.cpp: delta_decode
 # (Qwen3.5's linear-attention decode step, plain C++); q4vnni.cpp: q4_vnni, where it has
 # AVX512-VNNI (--weights q4's blocks); tower.cpp: tile_attend, and tile_linear.cpp: tile_linear,
-# where it has AMX-BF16 (the vision tower); amx.h is what those two share
+# where it has AMX-BF16 (the vision tower); amx.h is what those two share; resample.cpp:
+# lanczos_rgb, where it has AVX-512 F and BW (image preprocessing)
 SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp",
-                                                                  "q4vnni.cpp", "tower.cpp", "tile_linear.cpp")]
+                                                                  "q4vnni.cpp", "tower.cpp", "tile_linear.cpp",
+                                                                  "resample.cpp")]
 HEADERS = [Path(__file__).with_name("amx.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
@@ -280,6 +282,12 @@ def has_tile_linear() -> bool:
     """Whether the compiled caldrix::tile_linear and tile_pack_weight (tile_linear.cpp) are
     here: built for CPUs with AMX-BF16, as tower.cpp."""
     return load() and _has_op("tile_linear")
+
+
+def has_lanczos_rgb() -> bool:
+    """Whether the compiled caldrix::lanczos_rgb (resample.cpp) is here: built for CPUs with
+    AVX-512 F and BW; without it image preprocessing resizes with Pillow (the same bytes)."""
+    return load() and _has_op("lanczos_rgb")
 
 
 def has_q4_mm_f32() -> bool:

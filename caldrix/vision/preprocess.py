@@ -33,14 +33,14 @@ patch_size 16, scale_factor 4, so (512 / 16)^2 / 4^2 = 64 tokens a tile.
 from __future__ import annotations
 
 import math
-import threading
-from fractions import Fraction
 from typing import Callable, Sequence
 
 import attrs
 import numpy as np
 import torch
 from PIL import Image
+
+from caldrix.vision.resize import lanczos, resize_array, kernel_resizes
 
 UPPER_BOUND = 4096  # the processor's MAX_IMAGE_SIZE: no side past it after the first resize
 IMAGE_PLACEHOLDER = "<image>"
@@ -200,90 +200,39 @@ def _table(s: ProcessorSettings, dtype: torch.dtype) -> np.ndarray:
     return table
 
 
-SPLIT_AREA = 1 << 18  # output pixels from which a resize is worth a second thread
-
-
-def _horizontal_first(w_in: int, h_in: int, w_out: int, h_out: int) -> bool:
-    """Pillow's choice of pass order (libImaging/Resample.c, ImagingResampleInner): the rows
-    first unless the height shrinks by more than twice what the width does. The passes round
-    to 8 bits between them, so the order changes the bytes."""
-    return not (h_in - h_out > 0 and h_in - h_out > (w_in - w_out) * 2)
-
-
-def lanczos(im: Image.Image, size: tuple[int, int]) -> Image.Image:
-    """im.resize(size, LANCZOS), bit for bit, the halves of the longer output side computed on
-    two threads (Pillow lets go of the GIL while it resamples) where that gives the same bits.
-
-    A half is Pillow's resize of a box of the image. It computes the same pixels as the whole
-    call when (1) its filters are the same: Pillow derives them from scale = (x1 - x0) / columns
-    and centre = x0 + (i + 0.5) scale, in doubles from a float32 box, which are exact, and so
-    equal, when scale = in / out is a dyadic rational (a power-of-two denominator); and (2) it
-    runs its two passes in the same order (`_horizontal_first`). Every resize preprocess()
-    makes meets both (its outputs are 2048 on the long edge, or multiples of 512); anything
-    else, or a small image, is one plain call. Blocks until both halves are done."""
-    w_out, h_out = size
-    wide = w_out >= h_out
-    n_in, n_out = (im.width, w_out) if wide else (im.height, h_out)
-    scale = Fraction(n_in, n_out)
-    mid = n_out // 2
-    if wide:
-        sizes = [(mid, h_out), (w_out - mid, h_out)]
-    else:
-        sizes = [(w_out, mid), (w_out, h_out - mid)]
-    order = _horizontal_first(*im.size, *size)
-    if (w_out * h_out < SPLIT_AREA or im.size == size or scale.denominator & (scale.denominator - 1)
-            or any(_horizontal_first(*im.size, *part) != order for part in sizes)):
-        return im.resize(size, Image.LANCZOS)
-    cut = float(mid * scale)  # dyadic, a few bits: exact in the box's float32
-    if wide:
-        boxes = [(0, 0, cut, im.height), (cut, 0, im.width, im.height)]
-    else:
-        boxes = [(0, 0, im.width, cut), (0, cut, im.width, im.height)]
-    parts = list(zip(boxes, sizes))
-    halves: list[Image.Image | BaseException | None] = [None, None]
-
-    def run(i: int) -> None:
-        box, part = parts[i]
-        try:
-            halves[i] = im.resize(part, Image.LANCZOS, box=box)
-        except BaseException as exc:  # noqa: BLE001 -- raised again on the calling thread
-            halves[i] = exc
-
-    other = threading.Thread(target=run, args=(1,), name="caldrix lanczos", daemon=True)
-    other.start()
-    run(0)
-    other.join()
-    for half in halves:
-        if isinstance(half, BaseException):
-            raise half
-    out = Image.new(im.mode, size)
-    out.paste(halves[0], (0, 0))
-    out.paste(halves[1], (mid, 0) if wide else (0, mid))
-    return out
-
-
 def preprocess(im: Image.Image, detail: str, s: ProcessorSettings = SMOLVLM_256M,
-               dtype: torch.dtype = torch.float32) -> Prepared:
+               dtype: torch.dtype = torch.float32, kernel: bool | None = None) -> Prepared:
     """An image as the vision tower's input, its pixels in `dtype` (float32 or bfloat16).
-    `detail` is "auto", "high" or "low"."""
+    `detail` is "auto", "high" or "low". The resizes run on the compiled kernel where it was
+    built (kernel None: whether resize.kernel_resizes(); False: Pillow's), the same bytes."""
     rgb = to_rgb(im)
+    if kernel is None:
+        kernel = kernel_resizes()
+    # The kernel resizes arrays; Pillow's first resize takes the image as it is, each later one
+    # an image of the array before it.
+    img: Image.Image | np.ndarray = np.array(rgb) if kernel else rgb  # writable, as torch wants its arrays
+
+    def resize(size: tuple[int, int]) -> np.ndarray:
+        if kernel:
+            return resize_array(img, size)
+        return np.asarray(lanczos(img if isinstance(img, Image.Image) else Image.fromarray(img), size))
+
     height, width = resized_size(rgb.width, rgb.height, s)
-    rgb = lanczos(rgb, (width, height))
+    img = resize((width, height))
     if detail == "low":
-        frames, grid = [lanczos(rgb, (s.tile, s.tile))], Grid(0, 0)
+        frames, grid = [resize((s.tile, s.tile))], Grid(0, 0)
     else:
         height, width = _tile_multiples(height, width, s.tile)
-        rgb = lanczos(rgb, (width, height))
+        img = resize((width, height))
         if height > s.tile or width > s.tile:
             grid = Grid(height // s.tile, width // s.tile)
-            whole = np.asarray(rgb)
-            frames = [whole[r * s.tile:(r + 1) * s.tile, c * s.tile:(c + 1) * s.tile]
+            frames = [img[r * s.tile:(r + 1) * s.tile, c * s.tile:(c + 1) * s.tile]
                       for r in range(grid.rows) for c in range(grid.cols)]
-            frames.append(lanczos(rgb, (s.tile, s.tile)))
+            frames.append(resize((s.tile, s.tile)))
         else:
-            frames, grid = [rgb], Grid(0, 0)
+            frames, grid = [img], Grid(0, 0)
     table = _table(s, dtype)
-    raw = np.stack([np.asarray(f) for f in frames])  # [N, T, T, 3] uint8
+    raw = np.stack(frames)  # [N, T, T, 3] uint8
     # torch's memory, not numpy's: numpy asks Linux for huge pages on arrays this big, and the
     # compaction behind that stalled the 40 MB of a high-detail image's pixels 0.15-0.3 s in
     # two of three requests on this project's machine (0.1 s without it). Fresh pages from
