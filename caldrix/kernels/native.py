@@ -39,11 +39,13 @@ log = logging.getLogger("caldrix.engine")
 # (Qwen3.5's linear-attention decode step, plain C++); q4vnni.cpp: q4_vnni, where it has
 # AVX512-VNNI (--weights q4's blocks); tower.cpp: tile_attend, and tile_linear.cpp: tile_linear,
 # where it has AMX-BF16 (the vision tower); amx.h is what those two share; resample.cpp:
-# lanczos_rgb, where it has AVX-512 F and BW (image preprocessing)
+# lanczos_rgb, where it has AVX-512 F and BW (image preprocessing); prompt_attend.cpp:
+# prompt_attend, where it has AMX-BF16 (an image prompt's chunks), on tower.cpp's tiles
+# (attend_tiles.h)
 SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp",
                                                                   "q4vnni.cpp", "tower.cpp", "tile_linear.cpp",
-                                                                  "resample.cpp")]
-HEADERS = [Path(__file__).with_name("amx.h")]
+                                                                  "resample.cpp", "prompt_attend.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "attend_tiles.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-Wno-c++20-extensions"]
 
 _lock = threading.Lock()
@@ -282,6 +284,12 @@ def has_tile_linear() -> bool:
     """Whether the compiled caldrix::tile_linear and tile_pack_weight (tile_linear.cpp) are
     here: built for CPUs with AMX-BF16, as tower.cpp."""
     return load() and _has_op("tile_linear")
+
+
+def has_prompt_attend() -> bool:
+    """Whether the compiled caldrix::prompt_attend (prompt_attend.cpp) is here: built for CPUs
+    with AMX-BF16, as tower.cpp; without it every prompt chunk attends with torch's SDPA."""
+    return load() and _has_op("prompt_attend")
 
 
 def has_lanczos_rgb() -> bool:

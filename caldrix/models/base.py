@@ -168,10 +168,26 @@ class Loaded:
     scripted_pass: bool = False  # and the embedding, head and arg-max with them
 
 
+def _prompt_kernel(device: torch.device) -> bool:
+    """Whether caldrix::prompt_attend serves image prompt chunks on this device: decided once."""
+    global _prompt_attend
+    if _prompt_attend is None:
+        from caldrix.kernels import native
+
+        _prompt_attend = native.has_prompt_attend()
+    return _prompt_attend and device.type == "cpu"
+
+
+_prompt_attend: bool | None = None
+
+
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Attend, K: torch.Tensor,
                   V: torch.Tensor) -> torch.Tensor:
     """Write a pass's keys and values into one layer's per-slot rows and attend over them, in
     torch's SDPA: q [T, H, E], k and v [T, G, E]; K and V [S, G, C, E]. Returns [T, H*E].
+    A prompt chunk that carries image rows (`at.embeds`), in bfloat16 with E = 64, attends on
+    caldrix::prompt_attend where it was built (AMX CPUs; kernels/prompt_attend.cpp says why):
+    the same sums to bfloat16 rounding, where a text chunk keeps SDPA's bits.
 
     decode: one row per slot (at.slots, at.lengths), one call per slot over exactly its own
     rows: a padded, masked batch would change the float reduction with the batch mates'
@@ -194,6 +210,8 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Attend,
     K[slot, :, start:start + T] = k.transpose(0, 1)  # [G, T, E]
     V[slot, :, start:start + T] = v.transpose(0, 1)
     n = start + T
+    if at.embeds is not None and q.dtype == torch.bfloat16 and e == 64 and _prompt_kernel(q.device):
+        return torch.ops.caldrix.prompt_attend(q.contiguous(), K[slot], V[slot], start, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, E]
     keys, values = K[slot:slot + 1, :, :n], V[slot:slot + 1, :, :n]
     if start == 0:
