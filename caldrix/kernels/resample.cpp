@@ -20,10 +20,14 @@
 // (i + 0.5) scale, has an exact zero addend, and the tap rounding multiplies by 2^22).
 // A thread computes whole output rows, so results do not depend on the thread count.
 //
+// Two threads of its own (`halves`), not at::parallel_for: the server runs preprocessing on the
+// image decode slots' threads (vision/limiter.py), and an OpenMP team started there made the
+// text streams' inter-token latency under 8 image requests 1.7-2.0x idle, against 1.0-1.1x
+// without it (bench/vision_load.py, published shape, three runs each way).
+//
 // Built where the compiler targets AVX-512 F and BW; elsewhere this file compiles to nothing
 // and preprocessing keeps Pillow's resize.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -34,12 +38,24 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 namespace {
 
 constexpr int PRECISION_BITS = 32 - 8 - 2;  // Pillow's: 8 bits of result, 2 of headroom
 constexpr int LANES = 16;
+constexpr int64_t SPLIT_WORK = 1 << 18;  // output bytes from which a pass is worth a second thread
+
+// fn(begin, end) over [0, n): the second half on a thread of its own, the first on the caller's,
+// where `work` is worth it. Blocks until both are done; fn must not throw.
+template <typename F>
+void halves(int64_t n, int64_t work, const F& fn) {
+  if (n < 2 || work < SPLIT_WORK) return fn(int64_t{0}, n);
+  std::thread other([&] { fn(n / 2, n); });
+  fn(int64_t{0}, n / 2);
+  other.join();
+}
 
 double sinc(double x) {
   if (x == 0.0) return 1.0;
@@ -96,7 +112,7 @@ inline __m128i to_bytes(__m512i sum) {
 // (the three channels need no telling apart: each byte is summed with its own column).
 void columns(const uint8_t* src, uint8_t* dst, int64_t bytes, int64_t ld, int64_t out, const Taps& tp) {
   const __m512i half = _mm512_set1_epi32(1 << (PRECISION_BITS - 1));
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+  halves(out, out * bytes, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const int32_t* k = tp.taps.data() + o * tp.width;
       const uint8_t* base = src + static_cast<int64_t>(tp.first[o]) * ld;
@@ -142,7 +158,7 @@ void rows_pass(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t in, int64
     }
   }
   const __m512i half = _mm512_set1_epi32(1 << (PRECISION_BITS - 1)), low = _mm512_set1_epi32(0xFF);
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  halves(rows, rows * out * 3, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = src + r * in * 3;
       uint8_t* drow = dst + r * out * 3;
