@@ -133,3 +133,70 @@ def test_many_requests_never_more_than_two():
         assert most[0] == 2
 
     trio.run(main)
+
+
+def test_a_slot_thread_ends_with_its_request():
+    """A request's images share its slot's thread, which ends when they are done; the next
+    request starts a fresh one. (The tower's kernels give a slot's thread an OpenMP team, and a
+    team left behind slowed every later decode step: limiter.py's docstring.)"""
+    async def main():
+        lim = DecodeLimiter(queue_depth=0)
+        first = await lim.run([0, 1], lambda i: threading.current_thread())
+        assert first[0] is first[1] and first[0].name.startswith("caldrix image")
+        assert not first[0].is_alive()
+        again = await lim.run([0], lambda i: threading.current_thread())
+        assert again[0] is not first[0] and not again[0].is_alive()
+        lim.close()
+
+    trio.run(main)
+
+
+def test_embed_request_hands_the_engine_views_of_each_images_rows(monkeypatch):
+    """serving.embed_request: one span per run of <image> rows, each put as a view of its
+    image's own features (no copy on the server's main thread), in prompt order."""
+    import torch
+
+    from caldrix.vision import serving
+    from caldrix.vision.preprocess import Grid, ImagePrompt, Prepared
+    from caldrix.vision.prompt import VisionPlan
+
+    feats = {"a": torch.arange(16.0).view(8, 2), "b": torch.arange(100.0, 108.0).view(4, 2)}
+    monkeypatch.setattr(serving, "prepare_image", lambda part, s, dtype: Prepared(Grid(0, 0), part))
+    # image a: two runs of 4 rows (two tiles), image b: one run of 4
+    prompt = ImagePrompt(ids=tuple(range(20)), image_rows=(1, 2, 3, 4, 7, 8, 9, 10, 13, 14, 15, 16))
+    put: list[tuple[int, torch.Tensor]] = []
+
+    async def main():
+        vs = serving.VisionServing(tokens=None, settings=None, limiter=serving.DecodeLimiter(0))
+        spans = await serving.embed_request(vs, VisionPlan(prompt, ("a", "b")), feats.__getitem__,
+                                            lambda key, rows: put.append((key, rows)))
+        vs.limiter.close()
+        return spans
+
+    spans = trio.run(main)
+    assert [(s.start, s.count) for s in spans] == [(1, 4), (7, 4), (13, 4)]
+    assert [k for k, _ in put] == [s.key for s in spans] and len({s.key for s in spans}) == 3
+    for (_, rows), (image, lo) in zip(put, [("a", 0), ("a", 4), ("b", 0)]):
+        assert torch.equal(rows, feats[image][lo:lo + 4])
+        assert rows.untyped_storage().data_ptr() == feats[image].untyped_storage().data_ptr()
+
+
+def test_embed_request_refuses_rows_that_do_not_match(monkeypatch):
+    import torch
+
+    from caldrix.vision import serving
+    from caldrix.vision.preprocess import Grid, ImagePrompt, Prepared
+    from caldrix.vision.prompt import VisionPlan
+
+    monkeypatch.setattr(serving, "prepare_image", lambda part, s, dtype: Prepared(Grid(0, 0), part))
+    for rows in ((1, 2, 3), (1, 2, 3, 4, 5)):  # one row short, one too many
+        async def main():
+            vs = serving.VisionServing(tokens=None, settings=None, limiter=serving.DecodeLimiter(0))
+            try:
+                await serving.embed_request(vs, VisionPlan(ImagePrompt(tuple(range(8)), rows), ("a",)),
+                                            lambda part: torch.zeros(4, 2), lambda key, r: None)
+            finally:
+                vs.limiter.close()
+
+        with pytest.raises(AssertionError, match="feature rows for"):
+            trio.run(main)

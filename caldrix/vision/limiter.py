@@ -11,7 +11,11 @@ Each slot runs its work on a thread of its own (sched.threads.StepThread), at a 
 scheduling priority (IMAGE_NICE) than the engine's: decoding, preprocessing and the vision
 tower take whatever CPU the decode steps leave, so text streams keep their pace while images
 are prepared (a 13-tile image is seconds of tower work; on trio's worker threads, at equal
-priority, it tripled a running stream's inter-token latency on 2 cores).
+priority, it tripled a running stream's inter-token latency on 2 cores). A slot's thread ends
+when its request's images are done (the next request starts a fresh one): the tower's parallel
+kernels give it an OpenMP team, and libgomp lets no team's idle threads spin once more threads
+are in teams than there are cores (sched/threads.py), so a team left behind slowed every later
+decode step of the server (text ITL 22 -> 35 ms after one image request, on 2 cores).
 
 No HTTP here: a full queue raises `DecodeQueueFull`, which the route answers with its 429.
 """
@@ -83,6 +87,7 @@ class DecodeLimiter:
         try:
             return [await thread.run(fn, item) for item in items]
         finally:
+            thread.close()  # its OpenMP team ends with it (the module docstring says why)
             self._free.append(thread)
             self._limiter.release_on_behalf_of(borrower)
 

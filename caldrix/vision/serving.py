@@ -90,13 +90,19 @@ async def embed_request(vs: VisionServing, plan: VisionPlan, embed: Callable[[to
         return embed(got.pixels)
 
     feats = await vs.limiter.run(plan.images, one)
-    rows = torch.cat(feats) if feats else None
-    spans, used = [], 0
+    # Views of each image's rows, no torch.cat: tensor work on the server's main thread would
+    # start an OpenMP team there, which slows every later step (sched/threads.py says why).
+    # A run of <image> rows never spans two images (the layout closes each with a marker).
+    spans, image, used = [], 0, 0
     for start, count in image_runs(plan.prompt.image_rows):
+        if image < len(feats) and used == feats[image].shape[0]:
+            image, used = image + 1, 0
+        if image == len(feats) or used + count > feats[image].shape[0]:
+            raise AssertionError(f"{sum(f.shape[0] for f in feats)} feature rows for more <image> tokens")
         key = next(_keys)
-        put(key, rows[used : used + count])
+        put(key, feats[image][used : used + count])
         spans.append(EmbedSpan(key, start, count))
         used += count
-    if rows is not None and used != rows.shape[0]:
-        raise AssertionError(f"{rows.shape[0]} feature rows for {used} <image> tokens")
+    if feats and (image != len(feats) - 1 or used != feats[-1].shape[0]):
+        raise AssertionError(f"{sum(f.shape[0] for f in feats)} feature rows for fewer <image> tokens")
     return tuple(spans)
