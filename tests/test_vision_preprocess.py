@@ -265,3 +265,15 @@ def test_a_kernel_that_disagrees_with_pillow_is_not_used(monkeypatch):
     monkeypatch.setattr(resize, "_kernel_checked", None)
     monkeypatch.undo()
     assert resize.kernel_resizes() is resize.native.has_lanczos_rgb()
+
+
+def test_normalise_kernel_refuses_what_it_does_not_take():
+    from caldrix.kernels import native
+
+    if not native.has_lanczos_rgb():
+        pytest.skip("resample.cpp is built for CPUs with AVX-512 F and BW")
+    frames = torch.zeros((1, 4, 4, 3), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="table is a contiguous"):
+        torch.ops.caldrix.normalise_pixels(frames, torch.zeros((3, 256), dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="frames is a contiguous uint8"):
+        torch.ops.caldrix.normalise_pixels(frames.float(), torch.zeros((3, 256)))
