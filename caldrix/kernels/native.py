@@ -39,9 +39,9 @@ log = logging.getLogger("caldrix.engine")
 # (Qwen3.5's linear-attention decode step, plain C++); q4vnni.cpp: q4_vnni, where it has
 # AVX512-VNNI (--weights q4's blocks); tower.cpp: tile_attend, and tile_linear.cpp: tile_linear,
 # where it has AMX-BF16 (the vision tower); amx.h is what those two share; resample.cpp:
-# lanczos_rgb and normalise_pixels, where it has AVX-512 F and BW (image preprocessing); prompt_attend.cpp:
-# prompt_attend, where it has AMX-BF16 (an image prompt's chunks), on tower.cpp's tiles
-# (attend_tiles.h)
+# lanczos_rgb and normalise_pixels, where it has AVX-512 F and BW (image preprocessing);
+# prompt_attend.cpp: prompt_attend, where it has AMX-BF16 (an image prompt's chunks), on
+# tower.cpp's tiles (attend_tiles.h)
 SOURCES = [Path(__file__).with_name(name) for name in ("attend.cpp", "q4mm.cpp", "q4mm_f32.cpp", "delta.cpp",
                                                                   "q4vnni.cpp", "tower.cpp", "tile_linear.cpp",
                                                                   "resample.cpp", "prompt_attend.cpp")]
