@@ -290,3 +290,25 @@ def test_decode_queue_full_is_a_429(tiny):
     image_full = [r for r in answers if r.status_code == 429
                   and r.json()["error"]["message"] == "the image decode queue is full"]
     assert image_full, [r.text for r in answers]
+
+
+def test_image_requests_leave_no_threads_behind(client, server):
+    """The process's threads after image requests are the ones before them: a decode slot's
+    thread ends with its request, and no tensor work runs on the main thread. A thread left
+    holding an OpenMP team slowed every later decode step (caldrix/vision/limiter.py)."""
+    import os
+    import time
+
+    def threads() -> set[int]:
+        return {int(t) for t in os.listdir(f"/proc/{server.proc.pid}/task")}
+
+    if not os.path.isdir(f"/proc/{server.proc.pid}/task"):
+        pytest.skip("no /proc here")
+    chat(client, [{"role": "user", "content": "Say it."}])  # the step thread's team, if any, exists
+    before = threads()
+    big = image_part(url("image/png", encoded("PNG", 640, 480, 21)), "high")
+    chat(client, ask([big, image_part(url("image/png", encoded("PNG", 48, 48, 22)), "low")], "Both."))
+    deadline = time.monotonic() + 5
+    while threads() != before and time.monotonic() < deadline:
+        time.sleep(0.05)  # a slot's thread may still be on its way out
+    assert threads() == before
