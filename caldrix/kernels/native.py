@@ -9,9 +9,10 @@ of ops.py), so callers, TorchScript included, have one name to call either way. 
 runs is decided once a process: an engine's decode passes all use one of them, so a reply
 never depends on which was picked for which step.
 
-The build is a single g++ call against torch's headers, about 15 s on 2 cores, once per
-machine, torch version and source: the shared object lives under the caldrix cache
-(kernels/<key>/), keyed by all three, since -march=native code must not move to another CPU.
+The build is one g++ call per source against torch's headers, as many at once as there are
+cores, then a link: about 40 s on 2 cores, once per machine, torch version and source. The
+shared object lives under the caldrix cache (kernels/<key>/), keyed by all three, since
+-march=native code must not move to another CPU.
 """
 
 from __future__ import annotations
@@ -77,6 +78,32 @@ def _key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _compile(cxx: str, flags: list[str], includes: list[str], where: Path) -> list[Path]:
+    """Each source to an object file in `where`, as many at once as there are cores (the
+    sources are independent: one g++ call for all of them ran them one after another, about a
+    minute on 2 cores). Blocks until all are done; RuntimeError with the compiler's message for
+    the first that fails, the others then stopped."""
+    pending, running, objects = list(SOURCES), [], []
+    jobs = max(1, os.cpu_count() or 1)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                src = pending.pop(0)
+                obj = where / f"{src.stem}.o"
+                running.append((obj, subprocess.Popen([cxx, *flags, "-c", str(src), "-o", str(obj), *includes],
+                                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+            obj, proc = running.pop(0)
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} exited {proc.returncode}: {err.strip()[-2000:]}")
+            objects.append(obj)
+    finally:
+        for _, proc in running:
+            proc.kill()
+            proc.wait()
+    return objects
+
+
 def _build(cxx: str, out: Path) -> None:
     """Compile the sources into `out`, atomically: a concurrent process waits on the lock file
     and then finds the finished object."""
@@ -87,23 +114,30 @@ def _build(cxx: str, out: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.exists():
             return
-        print("caldrix: compiling the decode attention kernel (once per machine and torch version, about 15 s)",
+        print("caldrix: compiling the kernels (once per machine and torch version, about 40 s on 2 cores)",
               file=sys.stderr, flush=True)
         libs = library_paths()
+        includes = [f"-I{p}" for p in include_paths()]
+        link = [*(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        rest = [*map(str, SOURCES), "-o", tmp, *(f"-I{p}" for p in include_paths()), *(f"-L{p}" for p in libs),
-                *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
         try:
-            r = subprocess.run([cxx, *FLAGS, *rest], capture_output=True, text=True)
-            if r.returncode != 0:
-                # A compiler without OpenMP (Apple clang without libomp): the same kernels, whose
-                # at::parallel_for then runs on one thread.
-                serial = subprocess.run([cxx, *(f for f in FLAGS if f != "-fopenmp"), *rest], capture_output=True,
-                                        text=True)
-                if serial.returncode != 0:
-                    raise RuntimeError(f"{cxx} exited {r.returncode}: {r.stderr.strip()[-2000:]}")
-                log.warning("decode kernels built without OpenMP (%s failed with -fopenmp): one thread each", cxx)
+            with tempfile.TemporaryDirectory(dir=out.parent) as objs:
+                flags = FLAGS
+                try:
+                    objects = _compile(cxx, flags, includes, Path(objs))
+                except RuntimeError as exc:
+                    # A compiler without OpenMP (Apple clang without libomp): the same kernels,
+                    # whose at::parallel_for then runs on one thread.
+                    flags = [f for f in FLAGS if f != "-fopenmp"]
+                    try:
+                        objects = _compile(cxx, flags, includes, Path(objs))
+                    except RuntimeError:
+                        raise exc from None
+                    log.warning("decode kernels built without OpenMP (%s failed with -fopenmp): one thread each", cxx)
+                r = subprocess.run([cxx, *flags, *map(str, objects), "-o", tmp, *link], capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{cxx} exited {r.returncode} linking: {r.stderr.strip()[-2000:]}")
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):
