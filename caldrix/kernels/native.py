@@ -78,13 +78,17 @@ def _key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
+MAX_JOBS = 4  # compilers at once: each takes 0.3-0.5 GB with torch's headers
+
+
 def _compile(cxx: str, flags: list[str], includes: list[str], where: Path) -> list[Path]:
-    """Each source to an object file in `where`, as many at once as there are cores (the
-    sources are independent: one g++ call for all of them ran them one after another, about a
-    minute on 2 cores). Blocks until all are done; RuntimeError with the compiler's message for
-    the first that fails, the others then stopped."""
+    """Each source to an object file in `where`, as many at once as there are cores, up to
+    MAX_JOBS (the sources are independent: one g++ call for all of them ran them one after
+    another, about a minute on 2 cores). Blocks until all are done; RuntimeError with the
+    compiler's message for the first that fails, the others then stopped."""
     pending, running, objects = list(SOURCES), [], []
-    jobs = max(1, os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    jobs = max(1, min(MAX_JOBS, cores))
     try:
         while pending or running:
             while pending and len(running) < jobs:
