@@ -349,3 +349,24 @@ def test_a_server_without_its_kernels_says_so_and_serves(tmp_path, smollm2_dir):
         notes = [ln for ln in srv.stderr.splitlines() if ln.startswith("caldrix: note: the compiled decode kernels")]
         assert len(notes) == 1, srv.stderr
         assert "torch/extension.h" in notes[0] and "several times slower" in notes[0]
+
+
+@pytest.mark.parametrize("free_mib,most", [(700, 1), (None, 2)])
+def test_the_build_runs_as_many_compilers_as_memory_allows(tmp_path, monkeypatch, free_mib, most):
+    """native._compile starts one compiler per source, at most one per core and per
+    COMPILER_BYTES of free memory (a 1.5 GiB container has room for one): counted with a
+    stand-in compiler that notes when it starts and ends."""
+    log = tmp_path / "log"
+    cxx = tmp_path / "fake-c++"
+    cxx.write_text(f"#!/bin/sh\necho start >> {log}\nsleep 0.3\necho end >> {log}\n"
+                   "while [ \"$1\" != -o ]; do shift; done; touch \"$2\"\n")
+    cxx.chmod(0o755)
+    monkeypatch.setattr(native, "_free_bytes", lambda: None if free_mib is None else free_mib << 20)
+    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    objs = native._compile(str(cxx), [], [], tmp_path)
+    assert [o.name for o in objs] == [f"{s.stem}.o" for s in native.SOURCES] and all(o.exists() for o in objs)
+    running = peak = 0
+    for line in log.read_text().split():
+        running += 1 if line == "start" else -1
+        peak = max(peak, running)
+    assert peak == most

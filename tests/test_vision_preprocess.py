@@ -260,9 +260,11 @@ def test_a_kernel_that_disagrees_with_pillow_is_not_used(monkeypatch):
     and where the bytes differ, preprocessing keeps Pillow's resize."""
     monkeypatch.setattr(resize.native, "has_lanczos_rgb", lambda: True)
     monkeypatch.setattr(resize, "resize_array", lambda a, size: np.zeros((size[1], size[0], 3), np.uint8))
-    monkeypatch.setattr(resize, "_kernel_checked", None)
-    assert resize.kernel_resizes() is False
-    monkeypatch.setattr(resize, "_kernel_checked", None)
+    resize.kernel_resizes.cache_clear()
+    try:
+        assert resize.kernel_resizes() is False
+    finally:
+        resize.kernel_resizes.cache_clear()
     monkeypatch.undo()
     assert resize.kernel_resizes() is resize.native.has_lanczos_rgb()
 

@@ -10,7 +10,7 @@ runs is decided once a process: an engine's decode passes all use one of them, s
 never depends on which was picked for which step.
 
 The build is one g++ call per source against torch's headers, as many at once as there are
-cores, then a link: about 40 s on 2 cores, once per machine, torch version and source. The
+cores and memory for (`_compile`), then a link: about 40 s on 2 cores, once per machine, torch version and source. The
 shared object lives under the caldrix cache (kernels/<key>/), keyed by all three, since
 -march=native code must not move to another CPU.
 """
@@ -78,17 +78,39 @@ def _key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
-MAX_JOBS = 4  # compilers at once: each takes 0.3-0.5 GB with torch's headers
+MAX_JOBS = 4  # compilers at once, at most
+COMPILER_BYTES = 640 << 20  # one compiler's peak with torch's headers (530 MB measured a source)
+
+
+def _free_bytes() -> int | None:
+    """Memory this process may still take: Linux's MemAvailable, and under a cgroup v2 memory
+    limit (a container's) what is left of it; None where neither can be read."""
+    known = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                known.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:
+        cg = Path("/sys/fs/cgroup")
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            known.append(int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(known) if known else None
 
 
 def _compile(cxx: str, flags: list[str], includes: list[str], where: Path) -> list[Path]:
-    """Each source to an object file in `where`, as many at once as there are cores, up to
-    MAX_JOBS (the sources are independent: one g++ call for all of them ran them one after
+    """Each source to an object file in `where`, as many at once as there are cores and memory
+    for, up to MAX_JOBS (the sources are independent: one g++ call for all of them ran them one after
     another, about a minute on 2 cores). Blocks until all are done; RuntimeError with the
     compiler's message for the first that fails, the others then stopped."""
     pending, running, objects = list(SOURCES), [], []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    jobs = max(1, min(MAX_JOBS, cores))
+    free = _free_bytes()  # a 1.5 GiB container with the model loaded has room for one
+    jobs = max(1, min(MAX_JOBS, cores, cores if free is None else free // COMPILER_BYTES))
     try:
         while pending or running:
             while pending and len(running) < jobs:

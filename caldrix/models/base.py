@@ -23,6 +23,7 @@ Shapes: T packed rows, D hidden, S slots, C context rows, G kv heads, E head dim
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar, Protocol
 
@@ -168,17 +169,12 @@ class Loaded:
     scripted_pass: bool = False  # and the embedding, head and arg-max with them
 
 
-def _prompt_kernel(device: torch.device) -> bool:
-    """Whether caldrix::prompt_attend serves image prompt chunks on this device: decided once."""
-    global _prompt_attend
-    if _prompt_attend is None:
-        from caldrix.kernels import native
+@functools.cache
+def _prompt_kernel() -> bool:
+    """Whether caldrix::prompt_attend was built here (decided once a process)."""
+    from caldrix.kernels import native
 
-        _prompt_attend = native.has_prompt_attend()
-    return _prompt_attend and device.type == "cpu"
-
-
-_prompt_attend: bool | None = None
+    return native.has_prompt_attend()
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Attend, K: torch.Tensor,
@@ -210,7 +206,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Attend,
     K[slot, :, start:start + T] = k.transpose(0, 1)  # [G, T, E]
     V[slot, :, start:start + T] = v.transpose(0, 1)
     n = start + T
-    if at.embeds is not None and q.dtype == torch.bfloat16 and e == 64 and _prompt_kernel(q.device):
+    if at.embeds is not None and q.dtype == torch.bfloat16 and e == 64 and q.device.type == "cpu" and _prompt_kernel():
         return torch.ops.caldrix.prompt_attend(q.contiguous(), K[slot], V[slot], start, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, E]
     keys, values = K[slot:slot + 1, :, :n], V[slot:slot + 1, :, :n]

@@ -209,31 +209,27 @@ def preprocess(im: Image.Image, detail: str, s: ProcessorSettings = SMOLVLM_256M
     rgb = to_rgb(im)
     if kernel is None:
         kernel = kernel_resizes()
-    # The kernel resizes arrays; Pillow's first resize takes the image as it is, each later one
-    # an image of the array before it.
-    img: Image.Image | np.ndarray = np.array(rgb) if kernel else rgb  # writable, as torch wants its arrays
-
-    def resize(size: tuple[int, int]) -> np.ndarray:
-        if kernel:
-            return resize_array(img, size)
-        return np.asarray(lanczos(img if isinstance(img, Image.Image) else Image.fromarray(img), size))
-
+    # Each resizer keeps its own kind from step to step: the kernel arrays (writable, as torch
+    # wants them), Pillow images.
+    img: Image.Image | np.ndarray = np.array(rgb) if kernel else rgb
+    resize: Callable = resize_array if kernel else lanczos
     height, width = resized_size(rgb.width, rgb.height, s)
-    img = resize((width, height))
+    img = resize(img, (width, height))
     if detail == "low":
-        frames, grid = [resize((s.tile, s.tile))], Grid(0, 0)
+        frames, grid = [resize(img, (s.tile, s.tile))], Grid(0, 0)
     else:
         height, width = _tile_multiples(height, width, s.tile)
-        img = resize((width, height))
+        img = resize(img, (width, height))
         if height > s.tile or width > s.tile:
             grid = Grid(height // s.tile, width // s.tile)
-            frames = [img[r * s.tile:(r + 1) * s.tile, c * s.tile:(c + 1) * s.tile]
+            whole = np.asarray(img)
+            frames = [whole[r * s.tile:(r + 1) * s.tile, c * s.tile:(c + 1) * s.tile]
                       for r in range(grid.rows) for c in range(grid.cols)]
-            frames.append(resize((s.tile, s.tile)))
+            frames.append(resize(img, (s.tile, s.tile)))
         else:
             frames, grid = [img], Grid(0, 0)
     table = _table(s, dtype)
-    raw = np.stack(frames)  # [N, T, T, 3] uint8
+    raw = np.stack([np.asarray(f) for f in frames])  # [N, T, T, 3] uint8
     if kernel:  # the same lookups on two threads (kernels/resample.cpp): 24 -> 4 ms for 13 tiles
         pixels = torch.ops.caldrix.normalise_pixels(torch.from_numpy(raw), torch.from_numpy(table)).view(dtype)
         return Prepared(grid=grid, pixels=pixels)

@@ -8,6 +8,7 @@ resize with the halves of the longer side on two threads where that computes the
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from fractions import Fraction
@@ -95,24 +96,18 @@ def resize_array(a: np.ndarray, size: tuple[int, int]) -> np.ndarray:
                                          _horizontal_first(w, h, w_out, h_out)).numpy()
 
 
-_kernel_checked: bool | None = None  # whether the kernel gave this Pillow's bytes, once checked
-
-
+@functools.cache
 def kernel_resizes() -> bool:
     """Whether preprocess() resizes with the compiled kernel: it was built for this CPU, and
     on a few small images, both pass orders, up and down, it gave the installed Pillow's bytes
     (a Pillow whose resampler's arithmetic changed would keep its own). Checked once a process."""
-    global _kernel_checked
-    if _kernel_checked is None:
-        ok = native.has_lanczos_rgb()
-        if ok:
-            rng = np.random.default_rng(0)
-            for w, h, size in ((37, 23, (101, 61)), (37, 23, (13, 9)), (40, 90, (38, 20)), (90, 40, (91, 120))):
-                a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-                ok = ok and np.array_equal(resize_array(a, size),
-                                           np.asarray(Image.fromarray(a, "RGB").resize(size, Image.LANCZOS)))
-            if not ok:
-                log.warning("image resizes: Pillow's (caldrix::lanczos_rgb did not give Pillow %s's bytes)",
-                            Image.__version__)
-        _kernel_checked = ok
-    return _kernel_checked
+    if not native.has_lanczos_rgb():
+        return False
+    rng = np.random.default_rng(0)
+    for w, h, size in ((37, 23, (101, 61)), (37, 23, (13, 9)), (40, 90, (38, 20)), (90, 40, (91, 120))):
+        a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        if not np.array_equal(resize_array(a, size), np.asarray(Image.fromarray(a, "RGB").resize(size, Image.LANCZOS))):
+            log.warning("image resizes: Pillow's (caldrix::lanczos_rgb did not give Pillow %s's bytes)",
+                        Image.__version__)
+            return False
+    return True
