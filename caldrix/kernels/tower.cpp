@@ -14,8 +14,8 @@
 // (what scaled_dot_product_attention's output is after transposing heads back).
 // n must be a multiple of 32. Arithmetic: the scores q k^T are summed in float32 by the tiles;
 // keys are taken 256 at a time with a running maximum per row (flash attention's online
-// softmax): exp(scale s - scale max) in float32 (2^t by a degree-5 polynomial, within 2e-7
-// relative), rounded to bfloat16 for the second matmul, while their float32 values are summed;
+// softmax): exp(scale s - scale max) in float32 (2^t by a degree-3 polynomial, within 7.5e-5
+// relative, finer than the rounding that follows), rounded to bfloat16 for the second matmul, while their float32 values are summed;
 // the float32 weighted sums of values are rescaled when the maximum moves, divided by the
 // row's sum at the end and rounded once. That is the arithmetic of torch's flash attention for
 // bfloat16 except for the block size (torch's 512 keys) and the exp, so the two agree to
