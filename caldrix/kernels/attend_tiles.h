@@ -87,19 +87,19 @@ inline void scores(const uint16_t* q, int64_t ld, const uint32_t* kp, int64_t w,
   }
 }
 
-// 2^t for the softmax numerators, t <= 0: a degree-3 fit of 2^f on |f| <= 1/2, within 7.5e-5
-// relative, then scalef. Each numerator is rounded to bfloat16 (2^-9 relative) for the value
-// products, so amx.h's degree-5 exp2_ps (2e-7) bought nothing there; its two more products a
-// score were a tenth of the attention's time (a SigLIP tile's layer 3.2-3.5 -> 3.0-3.2 ms,
-// with the four maxima below).
+// 2^t for the softmax numerators: a degree-3 fit of 2^f on 0 <= f < 1, within 7.5e-5 relative,
+// scaled by 2^floor(t). Each numerator is rounded to bfloat16 (2^-9 relative) for the value
+// products, so amx.h's degree-5 exp2_ps (2e-7) bought nothing here; its two more products a
+// score were a tenth of the attention's time. VREDUCEPS gives f = t - floor(t) in one step and
+// scalef floors t itself, where exp2_ps rounds and subtracts (with the four maxima below, a
+// SigLIP tile's attention layer 3.2-3.5 -> 2.9-3.1 ms). Hidden keys (t about -1e30) give 0.
 inline __m512 exp2_numerator_ps(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(5.5171191692352295e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.426110804080963e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.932610869407654e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999280571937561e-1f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t)
+  __m512 p = _mm512_set1_ps(7.8024134039878845e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2606770694255829e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9583332538604736e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992525577545166e-1f));
+  return _mm512_scalef_ps(p, t);
 }
 
 // The chunk's softmax numerators exp(scale s - running max) into sc.pb (bfloat16), their float32

@@ -27,7 +27,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include "amx.h"
 #include "attend_tiles.h"
 
