@@ -40,19 +40,44 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// Flush-to-zero and denormals-are-zero (MXCSR) for one parallel task of a tile kernel, restored
+// when the task ends, so torch's own work on that thread keeps its settings (MXCSR is per thread).
+// Why: a float32 result below 2^-126 costs a microcode assist of some 150 cycles, and real
+// weights make them: softmax numerators of keys 87+ nats below a row's maximum, and the GELU's
+// 2^-|t| where x < -10. Measured on a SigLIP tile (1024 rows) with such values in 2% of the
+// lanes: the attention 2.9 -> 9.0 ms, fc1 with its GELU 2.2 -> 8.3 ms; flushed, the times of
+// ordinary inputs. Every value flushed is below bfloat16's smallest normal, which the bfloat16
+// results these kernels write round to 0 anyway, and the tile products flush their own.
+class FlushDenormals {
+ public:
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }  // FTZ (bit 15) and DAZ (bit 6)
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_;
+};
+
 constexpr float LOG2E = 1.44269504088896341f;
 
-// 2^t in float32 within 2e-7 relative (a degree-5 fit of 2^f on |f| <= 1/2, then scalef for
-// 2^round(t), which underflows to 0 gracefully); t <= 127.
-inline __m512 exp2_ps(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// 2^t as p 2^n: n = round(t), p = 2^(t - n) by a degree-5 fit on |t - n| <= 1/2, within 2e-7
+// relative; t <= 127.
+inline void exp2_parts(__m512 t, __m512& p, __m512& n) {
+  n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3218674575909972e-3f);
+  p = _mm512_set1_ps(1.3218674575909972e-3f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671702980995178e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+}
+
+// 2^t in float32 within 2e-7 relative (scalef underflows to 0 gracefully); t <= 127.
+inline __m512 exp2_ps(__m512 t) {
+  __m512 p, n;
+  exp2_parts(t, p, n);
   return _mm512_scalef_ps(p, n);
 }
 
@@ -80,11 +105,16 @@ inline __m512 gelu_tanh_ps(__m512 v) {
   const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
   const __m512i sign = _mm512_set1_epi32(0x80000000);
   const __m512 t = _mm512_mul_ps(v, _mm512_fmadd_ps(_mm512_mul_ps(v, v), c3, c1));
-  const __m512 e = exp2_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)));  // 2^-|t|
+  __m512 p, n;
+  exp2_parts(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), p, n);
+  const __m512 e = _mm512_scalef_ps(p, n);  // 2^-|t|
   const __m512 d = _mm512_add_ps(one, e);
   __m512 r = _mm512_rcp14_ps(d);
   r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));  // one Newton step: 2^-28 relative
-  const __m512 num = _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ), v, e);
+  // x e as (x p) 2^n, the same bits where e is normal: under FlushDenormals e is 0 once below
+  // 2^-126, where x e (|x| > 10 there) can still be a normal number
+  const __m512 num = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                        _mm512_scalef_ps(_mm512_mul_ps(v, p), n));
   return _mm512_mul_ps(num, r);
 }
 

@@ -74,6 +74,7 @@ at::Tensor prompt_attend(const at::Tensor& q, const at::Tensor& K, const at::Ten
   // see more keys, and a split by rows would give one thread the longer half
   at::parallel_for(0, H * blocks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
+    const FlushDenormals flush;
     auto scratch = std::make_unique<Scratch>();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, b = task % blocks, g = h / (H / G), r0 = b * ROWS;

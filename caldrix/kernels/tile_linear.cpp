@@ -289,6 +289,7 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& wp, const c10::opt
   // Each thread a contiguous range of 32-row blocks, so its packed rows stay in its own L2.
   at::parallel_for(0, M / BLOCK, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
+    const FlushDenormals flush;
     uint16_t* a = packed_rows(chunk * K);
     {
       auto blocks = std::make_unique<Blocks>(KB, e);

@@ -72,6 +72,7 @@ at::Tensor tile_attend(const at::Tensor& qkv, int64_t heads, double scale) {
   const int64_t blocks = n / ROWS;
   at::parallel_for(0, N * heads * blocks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
+    const FlushDenormals flush;
     auto scratch = std::make_unique<Scratch>();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, t0 = (task % blocks) * ROWS, b = bh / heads, h = bh % heads;
