@@ -3,7 +3,8 @@
 // AVX512-BF16. The arithmetic is tower.cpp's header's: scores summed in float32 by the tiles,
 // keys 256 at a time with a running maximum per row, numerators from exp2_numerator_ps rounded to
 // bfloat16 for the value products while their float32 values are summed, one division and
-// rounding at the end. Included only inside each file's `#if defined(__AMX_TILE__) ...` block, after amx.h.
+// rounding at the end. Included only inside each file's `#if defined(__AMX_TILE__) ...` block,
+// after amx.h.
 #pragma once
 
 #include <algorithm>
