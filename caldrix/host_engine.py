@@ -48,6 +48,7 @@ class HostEngine:
         self.embeddings: dict[int, torch.Tensor] = {}  # image features by key (Run.embeds), as Engine's
         self.context = min(getattr(cfg, "max_position_embeddings", 2048), 8192) if context is None else context
         self.max_batch = max_batch
+        self.max_threads = torch.get_num_threads()  # as Engine's: what an image slot takes with nothing running
         self.dtype = dtype
         self.kv_bytes = 0  # grows per request; nothing is allocated up front
         self._rows: list[list[int]] = [[] for _ in range(max_batch)]

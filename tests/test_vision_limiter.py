@@ -151,34 +151,44 @@ def test_a_slot_thread_ends_with_its_request():
     trio.run(main)
 
 
+def tile_rows(tiles):
+    """An `embed` stand-in: each tile [1, 1] -> 4 feature rows of 2 values, the tile's value
+    times 10 plus the row."""
+    import torch
+
+    assert tiles.shape[0] == 1, "embed_request hands the tower one tile a call"
+    return (tiles[0, 0] * 10 + torch.arange(4.0)).repeat_interleave(2).view(4, 2)
+
+
 def test_embed_request_hands_the_engine_views_of_each_images_rows(monkeypatch):
-    """serving.embed_request: one span per run of <image> rows, each put as a view of its
-    image's own features (no copy on the server's main thread), in prompt order."""
+    """serving.embed_request: the tiles one a call, one span per run of <image> rows, each put
+    as a view of its image's joined features (no copy on the server's main thread), in prompt
+    order."""
     import torch
 
     from caldrix.vision import serving
     from caldrix.vision.preprocess import Grid, ImagePrompt, Prepared
     from caldrix.vision.prompt import VisionPlan
 
-    feats = {"a": torch.arange(16.0).view(8, 2), "b": torch.arange(100.0, 108.0).view(4, 2)}
-    monkeypatch.setattr(serving, "prepare_image", lambda part, s, dtype: Prepared(Grid(0, 0), part))
-    # image a: two runs of 4 rows (two tiles), image b: one run of 4
+    pixels = {"a": torch.tensor([[1.0], [2.0]]), "b": torch.tensor([[3.0]])}  # a: two tiles, b: one
+    monkeypatch.setattr(serving, "prepare_image", lambda part, s, dtype: Prepared(Grid(0, 0), pixels[part]))
     prompt = ImagePrompt(ids=tuple(range(20)), image_rows=(1, 2, 3, 4, 7, 8, 9, 10, 13, 14, 15, 16))
     put: list[tuple[int, torch.Tensor]] = []
 
     async def main():
         vs = serving.VisionServing(tokens=None, settings=None, limiter=serving.DecodeLimiter(0))
-        spans = await serving.embed_request(vs, VisionPlan(prompt, ("a", "b")), feats.__getitem__,
-                                            lambda key, rows: put.append((key, rows)))
+        spans = await serving.embed_request(vs, VisionPlan(prompt, ("a", "b")), tile_rows,
+                                            lambda key, rows: put.append((key, rows)), lambda: 1)
         vs.limiter.close()
         return spans
 
     spans = trio.run(main)
     assert [(s.start, s.count) for s in spans] == [(1, 4), (7, 4), (13, 4)]
     assert [k for k, _ in put] == [s.key for s in spans] and len({s.key for s in spans}) == 3
-    for (_, rows), (image, lo) in zip(put, [("a", 0), ("a", 4), ("b", 0)]):
-        assert torch.equal(rows, feats[image][lo:lo + 4])
-        assert rows.untyped_storage().data_ptr() == feats[image].untyped_storage().data_ptr()
+    for (_, rows), tile in zip(put, [1.0, 2.0, 3.0]):
+        assert torch.equal(rows, tile_rows(torch.tensor([[tile]])))
+    a1, a2 = put[0][1], put[1][1]
+    assert a1.untyped_storage().data_ptr() == a2.untyped_storage().data_ptr()  # views of image a's rows
 
 
 def test_embed_request_refuses_rows_that_do_not_match(monkeypatch):
@@ -188,15 +198,90 @@ def test_embed_request_refuses_rows_that_do_not_match(monkeypatch):
     from caldrix.vision.preprocess import Grid, ImagePrompt, Prepared
     from caldrix.vision.prompt import VisionPlan
 
-    monkeypatch.setattr(serving, "prepare_image", lambda part, s, dtype: Prepared(Grid(0, 0), part))
+    monkeypatch.setattr(serving, "prepare_image", lambda part, s, dtype: Prepared(Grid(0, 0), torch.ones(1, 1)))
     for rows in ((1, 2, 3), (1, 2, 3, 4, 5)):  # one row short, one too many
         async def main():
             vs = serving.VisionServing(tokens=None, settings=None, limiter=serving.DecodeLimiter(0))
             try:
                 await serving.embed_request(vs, VisionPlan(ImagePrompt(tuple(range(8)), rows), ("a",)),
-                                            lambda part: torch.zeros(4, 2), lambda key, r: None)
+                                            tile_rows, lambda key, r: None, lambda: 1)
             finally:
                 vs.limiter.close()
 
         with pytest.raises(AssertionError, match="feature rows for"):
             trio.run(main)
+
+
+def test_embed_request_runs_each_call_on_the_threads_asked_for_then(monkeypatch):
+    """threads() is asked before every call on the slot: the calls run with that many torch
+    threads, and when the answer changes the slot's thread is a fresh one (an OpenMP team
+    started on every core ends once streams run: serving.slot_threads). The slot's threads
+    run under SCHED_IDLE where Linux grants it."""
+    import os
+    import sys
+
+    import torch
+
+    from caldrix.vision import serving
+    from caldrix.vision.preprocess import Grid, ImagePrompt, Prepared
+    from caldrix.vision.prompt import VisionPlan
+
+    seen = []
+
+    def prepare(part, s, dtype):
+        seen.append(("prepare", threading.current_thread(), torch.get_num_threads(), os.sched_getscheduler(0)
+                     if sys.platform == "linux" else None))
+        return Prepared(Grid(0, 0), torch.tensor([[1.0], [2.0], [3.0]]))
+
+    def embed(tiles):
+        seen.append(("embed", threading.current_thread(), torch.get_num_threads(), None))
+        return tile_rows(tiles)
+
+    monkeypatch.setattr(serving, "prepare_image", prepare)
+    answers = iter([2, 2, 1, 1])  # prepare and tile 1 on two threads; tiles 2 and 3 on one
+    prompt = ImagePrompt(ids=tuple(range(16)), image_rows=tuple(range(1, 13)))
+
+    async def main():
+        vs = serving.VisionServing(tokens=None, settings=None, limiter=serving.DecodeLimiter(0))
+        try:
+            return await serving.embed_request(vs, VisionPlan(prompt, ("a",)), embed, lambda key, r: None,
+                                               lambda: next(answers, 1))
+        finally:
+            vs.limiter.close()
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # what a fresh thread would otherwise start with (_on_threads says why)
+        spans = trio.run(main)
+    finally:
+        torch.set_num_threads(threads)
+    assert [(s.start, s.count) for s in spans] == [(1, 12)]
+    assert [(kind, n) for kind, _, n, _ in seen] == [("prepare", 2), ("embed", 2), ("embed", 1), ("embed", 1)]
+    assert seen[0][1] is seen[1][1] and seen[2][1] is seen[3][1] and seen[1][1] is not seen[2][1]
+    if sys.platform == "linux" and idle_granted():
+        assert seen[0][3] == os.SCHED_IDLE
+
+
+def idle_granted() -> bool:
+    """Whether this process may put a thread under SCHED_IDLE (a container may refuse it)."""
+    import os
+
+    got = []
+
+    def probe():
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            got.append(os.sched_getscheduler(0) == os.SCHED_IDLE)
+        except OSError:
+            got.append(False)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return got[0]
+
+
+def test_slot_threads_takes_one_beside_running_streams():
+    from caldrix.vision.serving import slot_threads
+
+    assert slot_threads(0, 8) == 8 and slot_threads(1, 8) == 1 and slot_threads(5, 2) == 1

@@ -74,7 +74,7 @@ async def _vision_chat(rt, req):
     context checked, and only then the images decoded and embedded (in the decode limiter)."""
     from caldrix.vision.limiter import DecodeQueueFull
     from caldrix.vision.prompt import plan_prompt
-    from caldrix.vision.serving import ImageFailed, embed_request
+    from caldrix.vision.serving import ImageFailed, embed_request, slot_threads
 
     vs = _vision()
     hf = rt.tokenizer.hf
@@ -95,7 +95,8 @@ async def _vision_chat(rt, req):
     if rt.scheduler.failed:
         raise ApiError.engine_unavailable()
     try:
-        spans = await embed_request(vs, plan, rt.engine.embed_images, rt.engine.put_embeddings)
+        spans = await embed_request(vs, plan, rt.engine.embed_images, rt.engine.put_embeddings,
+                                    lambda: slot_threads(rt.scheduler.statistics().running, rt.engine.max_threads))
     except DecodeQueueFull:
         raise ApiError.image_queue_full() from None
     except ImageFailed as exc:

@@ -34,11 +34,16 @@ T = TypeVar("T")
 
 class StepThread:
     """`nice`: the thread's own scheduling priority on Linux (0: the process's; 19: the lowest).
-    An unprivileged thread cannot raise its priority again, so it is set once, as it starts."""
+    `idle`: Linux's SCHED_IDLE policy on top, where the kernel allows it: the thread runs only on
+    CPU time no ordinary thread wants, and gives its core up the moment one wakes (a nice value
+    only shares the time out by weight: a step's woken thread could wait out the other's slice).
+    An unprivileged thread cannot raise its priority again, so it is set once, as it starts, and
+    the threads it starts (an OpenMP team's, a kernel's own) inherit it."""
 
-    def __init__(self, name: str, *, nice: int = 0):
+    def __init__(self, name: str, *, nice: int = 0, idle: bool = False):
         self.name = name
         self.nice = nice
+        self.idle = idle
         # Unbounded in type, bounded in use: each call's task waits for it before handing over
         # another, so the queue holds at most one call per task using this thread (two lanes).
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -64,6 +69,11 @@ class StepThread:
                 try:
                     os.setpriority(os.PRIO_PROCESS, tid, self.nice)
                 except OSError:  # a container may refuse it: the thread keeps the process's
+                    pass
+            if self.idle:
+                try:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                except (OSError, AttributeError):  # refused, or not in this Python: the nice value stands
                     pass
         while True:
             call = self._calls.get()

@@ -7,11 +7,14 @@ worker thread; its place in the queue is held only while it waits, so a client t
 while waiting (its handler cancelled) frees the place at once. The queue is first come, first
 served (trio.CapacityLimiter hands a freed slot to the longest waiter).
 
-Each slot runs its work on a thread of its own (sched.threads.StepThread), at a lower
-scheduling priority (IMAGE_NICE) than the engine's: decoding, preprocessing and the vision
-tower take whatever CPU the decode steps leave, so text streams keep their pace while images
+Each slot runs its work on a thread of its own (sched.threads.StepThread) under Linux's
+SCHED_IDLE policy (IMAGE_NICE where that is refused): decoding, preprocessing and the vision
+tower take only the CPU the decode steps leave, so text streams keep their pace while images
 are prepared (a 13-tile image is seconds of tower work; on trio's worker threads, at equal
-priority, it tripled a running stream's inter-token latency on 2 cores). A slot's thread ends
+priority, it tripled a running stream's inter-token latency on 2 cores, and at nice 10 it
+still doubled it on a VM where a woken step thread waited out the image thread's slice). The
+flip side: while text steps keep every core busy, an image waits for the gaps between them.
+How many threads the work itself uses is the caller's (serving.embed_request). A slot's thread ends
 when its request's images are done (the next request starts a fresh one): the tower's parallel
 kernels give it an OpenMP team, and libgomp lets no team's idle threads spin once more threads
 are in teams than there are cores (sched/threads.py), so a team left behind slowed every later
@@ -22,7 +25,8 @@ No HTTP here: a full queue raises `DecodeQueueFull`, which the route answers wit
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+import contextlib
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 import trio
 
@@ -32,7 +36,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 DECODE_SLOTS = 2
-IMAGE_NICE = 10  # the slots' threads' Linux nice value: below the engine's steps (0)
+# the slots' threads' Linux nice value where SCHED_IDLE is refused: below the engine's steps (0)
+IMAGE_NICE = 10
 QUEUE_FULL = "the image decode queue is full"
 
 
@@ -53,7 +58,7 @@ class DecodeLimiter:
         self.queue_depth = queue_depth
         self._waiting = 0
         # One thread per slot, started on first use; a request takes a free one with its slot.
-        self._threads = [StepThread(f"caldrix image{i}", nice=IMAGE_NICE) for i in range(slots)]
+        self._threads = [StepThread(f"caldrix image{i}", nice=IMAGE_NICE, idle=True) for i in range(slots)]
         self._free = list(self._threads)
 
     @property
@@ -66,12 +71,13 @@ class DecodeLimiter:
         """Requests waiting for a slot now (for /metrics)."""
         return self._waiting
 
-    async def run(self, items: Sequence[T], fn: Callable[[T], R]) -> list[R]:
-        """`fn(item)` for each item, one at a time, on the slot's thread, inside one slot.
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator["Slot"]:
+        """Hold a slot for the block: its work goes through the yielded Slot's `run`.
 
         Raises DecodeQueueFull without waiting when no slot is free and the queue is full. A
         cancellation while waiting leaves the queue; one while decoding returns the slot once
-        the item in hand is done (a thread cannot be stopped; its result is dropped)."""
+        the call in hand is done (a thread cannot be stopped; its result is dropped)."""
         borrower = object()  # one borrower per call: a task may hold a slot only once
         try:
             self._limiter.acquire_on_behalf_of_nowait(borrower)
@@ -85,13 +91,34 @@ class DecodeLimiter:
                 self._waiting -= 1
         thread = self._free.pop()  # a slot is held: one of its threads is free
         try:
-            return [await thread.run(fn, item) for item in items]
+            yield Slot(thread)
         finally:
             thread.close()  # its OpenMP team ends with it (the module docstring says why)
             self._free.append(thread)
             self._limiter.release_on_behalf_of(borrower)
 
+    async def run(self, items: Sequence[T], fn: Callable[[T], R]) -> list[R]:
+        """`fn(item)` for each item, one at a time, on the slot's thread, inside one slot (slot()
+        says what it raises)."""
+        async with self.slot() as slot:
+            return [await slot.run(fn, item) for item in items]
+
     def close(self) -> None:
         """End the slots' threads once nothing runs on them (the server, as it stops)."""
         for thread in self._threads:
             thread.close()
+
+
+class Slot:
+    """A held decode slot (DecodeLimiter.slot): calls run one at a time on the slot's thread."""
+
+    def __init__(self, thread: StepThread) -> None:
+        self._thread = thread
+
+    async def run(self, fn: Callable[..., R], *args) -> R:
+        return await self._thread.run(fn, *args)
+
+    def renew(self) -> None:
+        """End the slot's thread after the calls so far, and its OpenMP team with it; the next
+        call starts a fresh one."""
+        self._thread.close()

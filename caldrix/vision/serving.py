@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import attrs
 import torch
@@ -22,6 +22,8 @@ from caldrix.vision.images import DecodeFailure, ImagePart
 from caldrix.vision.limiter import DecodeLimiter
 from caldrix.vision.preprocess import ImageTokens, ProcessorSettings
 from caldrix.vision.prompt import VisionPlan, image_runs, prepare_image
+
+R = TypeVar("R")
 
 _keys = itertools.count(1)  # embedding keys, unique in the process (the engine's table is shared)
 
@@ -76,20 +78,53 @@ class ImageFailed(Exception):
         self.param = param
 
 
+def slot_threads(running: int, cores: int) -> int:
+    """The torch threads an image request's slot uses for its next call, given how many
+    sequences the scheduler runs now: with none, every core (`cores`), for the shortest time to
+    first token; beside running streams, one. One thread starts no OpenMP team, and a team
+    anywhere in the process, once there are more team threads than cores, makes libgomp put
+    every team's idle helpers to sleep at once (sched/threads.py), the decode steps' included:
+    on 2 cores, 8 image requests beside a text stream took its inter-token latency from 25 to
+    54 ms with two-thread slots, to 32 ms with one (both under SCHED_IDLE)."""
+    return 1 if running else cores
+
+
+def _on_threads(threads: int, fn: Callable[..., R], *args) -> R:
+    # Always set: a thread's first parallel call takes torch's last set_num_threads from
+    # whichever thread made it (an engine step's one-thread chunk, the slot before), not all cores.
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return fn(*args)
+
+
 async def embed_request(vs: VisionServing, plan: VisionPlan, embed: Callable[[torch.Tensor], torch.Tensor],
-                        put: Callable[[int, torch.Tensor], None]) -> tuple[EmbedSpan, ...]:
+                        put: Callable[[int, torch.Tensor], None], threads: Callable[[], int]) -> tuple[EmbedSpan, ...]:
     """The plan's images decoded, preprocessed and through the vision tower (`embed`: tiles ->
-    feature rows), one at a time in the limiter's slot; the features handed to the engine
-    (`put(key, rows)`) and the spans that name them. Raises DecodeQueueFull (429) without
-    waiting when the queue is full, ImageFailed (400) for an image that cannot be decoded."""
+    feature rows, called one tile at a time), one image after another in a limiter slot; the
+    features handed to the engine (`put(key, rows)`) and the spans that name them. `threads()`,
+    asked before each call on the slot (slot_threads says why), gives the torch threads it
+    runs on; when the answer changes the slot's thread is renewed, so a team started while the
+    server was otherwise idle ends once text streams run (within a tile, 0.15 s). One tile a call whatever the load, so
+    an image's features never depend on it. Raises DecodeQueueFull (429) without waiting when
+    the queue is full, ImageFailed (400) for an image that cannot be decoded."""
+    feats: list[torch.Tensor] = []
+    async with vs.limiter.slot() as slot:
+        now: list[int] = [0]  # the thread count the slot's thread runs on (0: not started)
 
-    def one(part: ImagePart) -> torch.Tensor:
-        got = prepare_image(part, vs.settings, vs.pixel_dtype)
-        if isinstance(got, DecodeFailure):
-            raise ImageFailed(got.message, got.param)
-        return embed(got.pixels)
+        async def call(fn: Callable[..., R], *args) -> R:
+            want = threads()
+            if want != now[0]:
+                if now[0]:
+                    slot.renew()
+                now[0] = want
+            return await slot.run(_on_threads, want, fn, *args)
 
-    feats = await vs.limiter.run(plan.images, one)
+        for part in plan.images:
+            got = await call(prepare_image, part, vs.settings, vs.pixel_dtype)
+            if isinstance(got, DecodeFailure):
+                raise ImageFailed(got.message, got.param)
+            tiles = [await call(embed, got.pixels[i:i + 1]) for i in range(got.pixels.shape[0])]
+            feats.append(tiles[0] if len(tiles) == 1 else await call(torch.cat, tiles))
     # Views of each image's rows, no torch.cat: tensor work on the server's main thread would
     # start an OpenMP team there, which slows every later step (sched/threads.py says why).
     # A run of <image> rows never spans two images (the layout closes each with a marker).
