@@ -6,8 +6,9 @@ tokenizer: SmolLM2's plus SmolVLM's added tokens, tests/vision_util.py), then
      (measured before and after the loaded run, pooled: this machine's load drifts);
   2. loaded: the same text request while 8 image requests (detail `--detail`) arrive at once;
      /metrics' caldrix_image_decoding gauge is sampled every 20 ms throughout.
-Prints the gauge's maximum (the limiter must hold it at 2) and the text stream's median and
-p90 ITL idle and loaded (the aim: loaded within 2x of idle).
+Prints the gauge's maximum (the limiter must hold it at 2), the image requests' wall times
+(each answers 4 tokens), and the text stream's median and p90 ITL idle and loaded (the aim:
+loaded within 2x of idle).
 
   PYTHONPATH=$PWD:$PWD/tests nice -n 5 .venv/bin/python bench/vision_load.py --shape small
 `--shape published` builds SmolVLM-256M's published shape (minutes to build and run here).
@@ -92,8 +93,10 @@ def image_request(base: str, seed: int, detail: str, out: list) -> None:
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": png_url(seed), "detail": detail}},
         {"type": "text", "text": "What is it?"}]}]}
+    t = time.perf_counter()
     with httpx.Client(timeout=600) as http:
-        out.append(http.post(base + "/v1/chat/completions", json=body).status_code)
+        status = http.post(base + "/v1/chat/completions", json=body).status_code
+    out.append((status, time.perf_counter() - t))
 
 
 def main() -> None:
@@ -138,7 +141,11 @@ def main() -> None:
     def q(xs, p):
         return sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] * 1000
 
-    print(f"shape {args.shape}, {args.images} image requests (detail {args.detail}), statuses {sorted(statuses)}")
+    print(f"shape {args.shape}, {args.images} image requests (detail {args.detail}), "
+          f"statuses {sorted(status for status, _ in statuses)}")
+    took = sorted(seconds for _, seconds in statuses)
+    print(f"image requests' wall time (s): first {took[0]:.1f}, median {statistics.median(took):.1f}, "
+          f"last {took[-1]:.1f}")
     print(f"caldrix_image_decoding: max {max(seen):.0f} over {len(seen)} samples "
           f"(samples at 2: {sum(1 for x in seen if x == 2)})")
     print(f"text ITL idle:   median {statistics.median(idle) * 1000:.1f} ms, p90 {q(idle, 0.9):.1f} ms")
