@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from caldrix.protocol import EmbedSpan
-from caldrix.vision.images import DecodeFailure, ImagePart
+from caldrix.vision.images import DecodeFailure
 from caldrix.vision.limiter import DecodeLimiter
 from caldrix.vision.preprocess import ImageTokens, ProcessorSettings
 from caldrix.vision.prompt import VisionPlan, image_runs, prepare_image
@@ -104,9 +104,10 @@ async def embed_request(vs: VisionServing, plan: VisionPlan, embed: Callable[[to
     features handed to the engine (`put(key, rows)`) and the spans that name them. `threads()`,
     asked before each call on the slot (slot_threads says why), gives the torch threads it
     runs on; when the answer changes the slot's thread is renewed, so a team started while the
-    server was otherwise idle ends once text streams run (within a tile, 0.15 s). One tile a call whatever the load, so
-    an image's features never depend on it. Raises DecodeQueueFull (429) without waiting when
-    the queue is full, ImageFailed (400) for an image that cannot be decoded."""
+    server was otherwise idle ends once text streams run (within a tile, about 0.15 s). One
+    tile a call whatever the load, so an image's features never depend on it. Raises
+    DecodeQueueFull (429) without waiting when the queue is full, ImageFailed (400) for an
+    image that cannot be decoded."""
     feats: list[torch.Tensor] = []
     async with vs.limiter.slot() as slot:
         now: list[int] = [0]  # the thread count the slot's thread runs on (0: not started)
