@@ -7,9 +7,12 @@
 // after amx.h.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 
 namespace caldrix_attend {
 
@@ -208,6 +211,21 @@ inline void attend_rows(const uint16_t* q, int64_t ld, const uint32_t* kp, const
     const __m512 inv = _mm512_set1_ps(1.0f / sc.sum[i]);
     for (int64_t e = 0; e < E; e += 16) store_bf16(out + i * ldo + e, _mm512_mul_ps(_mm512_loadu_ps(sc.o + i * E + e), inv));
   }
+}
+
+// fn(task, scratch) for each task in [0, count), split over torch's threads: each thread loads
+// the tile configuration, flushes subnormals while it runs (amx.h's FlushDenormals says why) and
+// has a Scratch of its own. A task runs whole on one thread, so results do not depend on the
+// thread count.
+template <typename F>
+void attend_tasks(int64_t count, const F& fn) {
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    const FlushDenormals flush;
+    auto scratch = std::make_unique<Scratch>();
+    for (int64_t task = begin; task < end; ++task) fn(task, *scratch);
+    _tile_release();
+  });
 }
 
 }  // namespace caldrix_attend

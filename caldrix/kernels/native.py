@@ -10,9 +10,9 @@ runs is decided once a process: an engine's decode passes all use one of them, s
 never depends on which was picked for which step.
 
 The build is one g++ call per source against torch's headers, as many at once as there are
-cores and memory for (`_compile`), then a link: about 40 s on 2 cores, once per machine, torch version and source. The
-shared object lives under the caldrix cache (kernels/<key>/), keyed by all three, since
--march=native code must not move to another CPU.
+cores and memory for (`_compile`), then a link: about 40 s on 2 cores, once per machine, torch
+version and source. The shared object lives under the caldrix cache (kernels/<key>/), keyed by
+all three, since -march=native code must not move to another CPU.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _build(cxx: str, out: Path) -> None:
                         objects = _compile(cxx, flags, includes, Path(objs))
                     except RuntimeError:
                         raise exc from None
-                    log.warning("decode kernels built without OpenMP (%s failed with -fopenmp): one thread each", cxx)
+                    log.warning("kernels built without OpenMP (%s failed with -fopenmp): one thread each", cxx)
                 r = subprocess.run([cxx, *flags, *map(str, objects), "-o", tmp, *link], capture_output=True, text=True)
                 if r.returncode != 0:
                     raise RuntimeError(f"{cxx} exited {r.returncode} linking: {r.stderr.strip()[-2000:]}")

@@ -72,18 +72,12 @@ at::Tensor prompt_attend(const at::Tensor& q, const at::Tensor& K, const at::Ten
   });
   // head-major, so that each thread's contiguous run of tasks holds whole heads: later rows
   // see more keys, and a split by rows would give one thread the longer half
-  at::parallel_for(0, H * blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
-    const FlushDenormals flush;
-    auto scratch = std::make_unique<Scratch>();
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / blocks, b = task % blocks, g = h / (H / G), r0 = b * ROWS;
-      const int64_t first = start + r0;  // the task's row 0 sees keys 0..first
-      const int64_t seen = std::min(keys, (first + ROWS + ROWS - 1) / ROWS * ROWS);
-      attend_rows(qs + r0 * D + h * E, D, kp.get() + g * per_head, vp.get() + g * per_head, seen,
-                  static_cast<float>(scale), *scratch, dst + r0 * D + h * E, D, std::min(ROWS, T - r0), first);
-    }
-    _tile_release();
+  attend_tasks(H * blocks, [&](int64_t task, Scratch& scratch) {
+    const int64_t h = task / blocks, b = task % blocks, g = h / (H / G), r0 = b * ROWS;
+    const int64_t first = start + r0;  // the task's row 0 sees keys 0..first
+    const int64_t seen = std::min(keys, (first + ROWS + ROWS - 1) / ROWS * ROWS);
+    attend_rows(qs + r0 * D + h * E, D, kp.get() + g * per_head, vp.get() + g * per_head, seen,
+                static_cast<float>(scale), scratch, dst + r0 * D + h * E, D, std::min(ROWS, T - r0), first);
   });
   return out;
 }

@@ -70,16 +70,10 @@ at::Tensor tile_attend(const at::Tensor& qkv, int64_t heads, double scale) {
     }
   });
   const int64_t blocks = n / ROWS;
-  at::parallel_for(0, N * heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
-    const FlushDenormals flush;
-    auto scratch = std::make_unique<Scratch>();
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / blocks, t0 = (task % blocks) * ROWS, b = bh / heads, h = bh % heads;
-      attend_rows(src + (b * n + t0) * ld + h * E, ld, kp.get() + bh * per_head, vp.get() + bh * per_head, n,
-                  static_cast<float>(scale), *scratch, dst + (b * n + t0) * D + h * E, D);
-    }
-    _tile_release();
+  attend_tasks(N * heads * blocks, [&](int64_t task, Scratch& scratch) {
+    const int64_t bh = task / blocks, t0 = (task % blocks) * ROWS, b = bh / heads, h = bh % heads;
+    attend_rows(src + (b * n + t0) * ld + h * E, ld, kp.get() + bh * per_head, vp.get() + bh * per_head, n,
+                static_cast<float>(scale), scratch, dst + (b * n + t0) * D + h * E, D);
   });
   return out;
 }
