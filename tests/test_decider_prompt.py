@@ -214,6 +214,23 @@ def test_numbers_with_their_lexemes_are_written_as_the_package_writes_parsed_jso
     assert [list(built.prompt(i)) for i in range(len(items))] == [it["ids"] for it in items]
 
 
+def test_integers_past_pythons_conversion_limit_are_written_exactly(qwen35_tokenizer, deciders):
+    """http-api.md: an integer is written exactly, at any size. Python's int() refuses more than
+    4300 digits, so the writer copies the spelling; decider's package cannot parse such a number
+    at all, so the reference here is the spelling itself."""
+
+    class Lexeme:
+        def __init__(self, s):
+            self.lexeme = s
+
+    big = "-" + "9" * 5000
+    text = prompt.state_text({"n": Lexeme(big), "m": [Lexeme("-0"), Lexeme("1e16")]})
+    assert text == '{"n": ' + big + ', "m": [0, 1e+16]}'
+    q = {"q": {"type": "score", "instructions": "how big", "criteria": [Lexeme("1" * 4400), "x"]}}
+    built = plan_request(deciders[False], "s", q, CONTEXT)
+    assert "(A) 0: " + "1" * 4400 + "\n(B) 1: x" in qwen35_tokenizer.decode(list(built.prompt(0)))
+
+
 def test_two_letter_labels_and_the_wide_form(qwen35_tokenizer, deciders):
     names = [f"o{i}" for i in range(255)]
     q = {"q": {"type": "choice", "instructions": "Pick", "criteria": {n: f"desc {i}" for i, n in enumerate(names)}}}

@@ -124,23 +124,46 @@ def longest_token_bytes(tokenizer: Any) -> int:
 # Text of JSON values
 
 
-def _plain(value: Any) -> Any:
-    """The value with mappings as dicts, sequences as lists, and numbers as int or float."""
+def _number(lexeme: str) -> str:
+    """A number's canonical form from its spelling: an integer exactly, at any size (written
+    from the text, since Python's int() refuses more than 4300 digits); any other number as
+    json.dumps writes the 64-bit float it reads as."""
+    if not any(c in lexeme for c in ".eE"):
+        return "0" if lexeme == "-0" else lexeme
+    return json.dumps(float(lexeme))
+
+
+def _write(value: Any, out: list[str]) -> None:
     lexeme = getattr(value, "lexeme", None)
     if isinstance(lexeme, str):  # a number as the request spelled it: canonical from the spelling
-        return float(lexeme) if any(c in lexeme for c in ".eE") else int(lexeme)
-    if isinstance(value, (str, bool, int, float)) or value is None:
-        return value
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    raise TypeError(f"not a JSON value: {type(value).__name__}")
+        out.append(_number(lexeme))
+    elif isinstance(value, (str, bool, int, float)) or value is None:
+        out.append(json.dumps(value, ensure_ascii=False))
+    elif isinstance(value, Mapping):
+        out.append("{")
+        for i, (k, v) in enumerate(value.items()):
+            out.append(", " if i else "")
+            out.append(json.dumps(k, ensure_ascii=False))
+            out.append(": ")
+            _write(v, out)
+        out.append("}")
+    elif isinstance(value, (list, tuple)):
+        out.append("[")
+        for i, v in enumerate(value):
+            out.append(", " if i else "")
+            _write(v, out)
+        out.append("]")
+    else:
+        raise TypeError(f"not a JSON value: {type(value).__name__}")
 
 
 def to_json(value: Any) -> str:
-    """JSON with a space after "," and ":", keys in order, non-ASCII raw."""
-    return json.dumps(_plain(value), ensure_ascii=False)
+    """JSON with a space after "," and ":", keys in order, non-ASCII raw: what
+    json.dumps(..., ensure_ascii=False) writes for the value decider's package parses, numbers
+    in canonical form (module docstring)."""
+    out: list[str] = []
+    _write(value, out)
+    return "".join(out)
 
 
 def text_of(value: Any) -> str:
