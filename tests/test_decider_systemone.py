@@ -20,6 +20,8 @@ from caldrix.decider.config import DeciderConfig  # noqa: E402
 from caldrix.decider.plan import Decider, plan_request  # noqa: E402
 from caldrix.decider.systemone import DeciderReading  # noqa: E402
 from caldrix.routes.errors import ApiError  # noqa: E402
+from caldrix.systemone import jsonlex  # noqa: E402
+from caldrix.systemone import reading as zs_reading  # noqa: E402
 from caldrix.systemone.request import parse_body, parse_request  # noqa: E402
 
 BODY = {
@@ -79,6 +81,21 @@ def test_probabilities_in_the_routes_order(decider_reading):
             assert p == tuple(x for _, x in a.probabilities)
         else:
             assert p == a.probabilities
+
+
+def test_levels_with_no_mass_answer_as_the_package_does(decider_reading):
+    """Isolated levels whose yes probabilities all underflow to 0: the package counts the vector
+    as uniform for the confidence (0 here), not as all mass on the first level (1)."""
+    req = parsed(decider_reading)
+    plan = decider_reading.plan(req, 1 << 20)[1]
+    assert plan.question.kind == "score"
+    # a level's own row reads (no, yes), so its yes is exp(-200 / 1.3) = 0 in float32
+    reads = [tuple([0.0] + [-200.0] * (len(p.read_ids) - 1)) for p in plan.probes]
+    p = decider_reading.probabilities(plan, reads)
+    got = zs_reading.answer(plan.question, p, jsonlex.echo)
+    assert got["confidence"] == pytest.approx(systemone.score_confidence(list(p)), abs=1e-6)
+    if decider_reading.decider.config.isolated_levels:
+        assert not any(p) and got["confidence"] == 0.0 and got["score"] == 0.0
 
 
 @pytest.mark.parametrize(

@@ -109,10 +109,14 @@ def expected_level(p: Sequence[float]) -> float:
 
 
 def score_confidence(p: Sequence[float]) -> float:
-    """clip01(1 - sum_i p_i |i - k| / D), k the most likely level, D = mean_i |i - (n-1)/2|."""
+    """clip01(1 - sum_i p_i |i - k| / D), k the most likely level, D = mean_i |i - (n-1)/2|.
+    A vector with no mass counts as uniform, as in decider's package: the decider's isolated
+    levels give one when every level's yes underflows to 0 (a softmax never does)."""
     n = len(p)
     if n == 1:
         return 1.0
+    if not any(p):
+        p = [1.0 / n] * n
     k = first_best(p)
     spread = 0.0
     for i, x in enumerate(p):
