@@ -115,6 +115,15 @@ KEYS = ("temperature, neutralize_none, isolated_levels, max_options, max_state_t
         ('{"temperature": 1, "temperature": 2, "neutralize_none": false}', 'the key "temperature" appears twice'),
         ('{"temperature": NaN, "neutralize_none": false}', "NaN is not a JSON number"),
         ('{"temperature": 1,', "not valid JSON: Expecting property name enclosed in double quotes at line 1 column 19"),
+        # integers past float's range, and past Python's int() (4300 digits): refused by name, not raised
+        ('{"temperature": 1' + "0" * 400 + ', "neutralize_none": false}',
+         '"temperature" must be a finite number > 0, got 1' + "0" * 56 + "..."),
+        ('{"temperature": 1, "neutralize_none": false, "temperature_schema_first": -' + "9" * 400 + "}",
+         '"temperature_schema_first" must be a finite number > 0, got -' + "9" * 56 + "..."),
+        ('{"temperature": 1, "neutralize_none": false, "max_state_tokens": ' + "7" * 5000 + "}",
+         '"max_state_tokens" must be a whole number 1 or more, got ' + "7" * 57 + "..."),
+        ('{"temperature": ' + "7" * 5000 + ', "neutralize_none": false}',
+         '"temperature" must be a finite number > 0, got ' + "7" * 57 + "..."),
     ],
 )
 def test_every_refusal_names_the_key(tmp_path, body, message):

@@ -108,7 +108,7 @@ def parse(text: str, path: Path) -> DeciderConfig:
         raise DeciderConfigError(f"{path}: {name} is not a JSON number")
 
     try:
-        cfg = json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+        cfg = json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_int=_whole)
     except json.JSONDecodeError as e:
         raise DeciderConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
     if not isinstance(cfg, dict):
@@ -165,7 +165,7 @@ def parse(text: str, path: Path) -> DeciderConfig:
     if by_type is not None and not isinstance(by_type, dict):
         raise DeciderConfigError(f'{path}: "temperature_schema_first_by_type" must be an object, got {_kind(by_type)}')
     version = cfg.get("version")
-    if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int, float))):
+    if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int, float, _Huge))):
         raise DeciderConfigError(f'{path}: "version" must be a string or a number, got {_kind(version)}')
     return DeciderConfig(
         path=path,
@@ -173,7 +173,7 @@ def parse(text: str, path: Path) -> DeciderConfig:
         isolated_levels=isolated,
         max_options=max_options,
         max_state_tokens=max_state,
-        version=None if version is None else str(version),
+        version=None if version is None else version.text if isinstance(version, _Huge) else str(version),
     )
 
 
@@ -188,10 +188,31 @@ def startup_lines(cfg: DeciderConfig) -> list[str]:
     ]
 
 
+@attrs.frozen
+class _Huge:
+    """An integer too long for Python's int() (over 4300 digits): kept as its text, so a check
+    refuses it by name instead of the parser raising."""
+
+    text: str
+
+
+def _whole(text: str) -> int | _Huge:
+    try:
+        return int(text)
+    except ValueError:
+        return _Huge(text)
+
+
 def _positive(value: Any, key: str, path: Path) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)  # an int past float's range overflows here
+        except OverflowError:
+            pass
+    if number is None or not math.isfinite(number) or number <= 0:
         raise DeciderConfigError(f'{path}: "{key}" must be a finite number > 0, got {_show(value)}')
-    return float(value)
+    return number
 
 
 def _bool(value: Any, key: str, path: Path) -> bool:
@@ -212,7 +233,7 @@ def _kind(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float, _Huge)):
         return "a number"
     if isinstance(value, str):
         return "a string"
@@ -222,5 +243,5 @@ def _kind(value: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False)
+    text = value.text if isinstance(value, _Huge) else json.dumps(value, ensure_ascii=False, default=lambda h: h.text)
     return text if len(text) <= 60 else text[:57] + "..."
