@@ -52,6 +52,7 @@ class IncrementalDetokenizer:
 
     `tokenizer` is a caldrix Tokenizer, or anything with `decode(ids, skip_special_tokens=)`.
     `prompt_ids`: the prompt's last few ids serve as the first context; they are never sent.
+    A prompt that ends inside a character gives no context.
     `skip_special_tokens` (default True, as OpenAI-compatible servers do) leaves eos and
     other special tokens out of the text.
     """
@@ -70,6 +71,10 @@ class IncrementalDetokenizer:
         # ahead of a held tail. An offset, not a text: a byte-fallback group that grows can
         # turn the context's own character into U+FFFD until the group is whole again.
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:]) if prompt_ids else []
+        if self._decode(self._ids).endswith(REPLACEMENT):
+            # A token-id prompt can end inside a character. Its bytes are the prompt's, so the
+            # reply starts without context, and its text stays the decode of its own ids.
+            self._ids = []
         self._read = len(self._ids)
         self._sent = len(self._decode(self._ids))
 

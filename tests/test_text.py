@@ -234,6 +234,16 @@ def test_prompt_context_is_never_emitted(tok):
     assert "".join(stream(tok, reply, prompt_ids=prompt)) == " Paris. The capital of Italy is Rome"
 
 
+def test_a_prompt_ending_inside_a_character_lends_the_reply_none_of_its_bytes(tok):
+    """A token-id prompt may end on the first bytes of a character. The reply's text is still
+    the decode of the reply's own ids: its bytes do not complete the prompt's character."""
+    emoji = tok.encode("😀")
+    assert len(emoji) > 1
+    prompt = tok.encode("Look: ") + emoji[:-1]  # ends inside the emoji
+    for reply in ([emoji[-1]], [emoji[-1]] + tok.encode(" ok"), tok.encode(" fine")):
+        assert "".join(stream(tok, reply, prompt_ids=prompt)) == tok.decode(reply)
+
+
 def test_random_multilingual_stream_matches_decode(tok):
     rng = random.Random(1234)
     text = "".join(rng.choice(MULTIBYTE) + rng.choice([" ", "\n", ""]) for _ in range(30))
