@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import trio
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from caldrix.routes import completions, debug, health, openapi, systemone
 from caldrix.routes.errors import ApiError
 from caldrix.routes.responses import error_response, json_response  # noqa: F401 -- json_response: re-exported
+from caldrix.request_queue import RequestQueue
 from caldrix.runtime import Runtime
 
 log = logging.getLogger("caldrix")
@@ -19,7 +19,7 @@ MAX_BODY = 4 * 2**20  # 4 MiB: a larger body is a 413, refused before it is read
 VISION_MAX_BODY = 32 * 2**20  # a vision server's, on every route (http-api.md: eight 8 MiB images fit)
 
 
-def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
+def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
     app = QuartTrio("caldrix")
     # A vision model's image state, with the one server-wide image decode limiter: made here,
     # under serve()'s root nursery, and shared by every request handler.
@@ -35,7 +35,7 @@ def create_app(rt: Runtime, submit_tx: trio.MemorySendChannel) -> QuartTrio:
     # Quart's 60 s defaults would cut a long stream or a slow upload without an error.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 300
-    app.extensions["caldrix"] = (rt, submit_tx)
+    app.extensions["caldrix"] = (rt, queue)
     app.register_blueprint(health.bp)
     app.register_blueprint(completions.bp)
     app.register_blueprint(debug.bp)  # /metrics, /debug/*, and the response counter

@@ -13,15 +13,8 @@ import attrs
 import trio
 
 from caldrix.protocol import FinishReason, SamplingParams, StateLease, Submission, TokenEvent
+from caldrix.request_queue import EngineStopped, QueueFull, RequestQueue  # noqa: F401 -- re-exported
 from caldrix.text import IncrementalDetokenizer, StopMatcher
-
-
-class QueueFull(Exception):
-    """The request channel's buffer is full (--queue-depth): answer 429."""
-
-
-class EngineStopped(Exception):
-    """The scheduler has stopped (engine failure or shutdown): answer 503."""
 
 
 class EngineFailed(Exception):
@@ -50,10 +43,11 @@ class GenRequest:
     embeds: tuple = ()  # protocol.EmbedSpan
 
 
-def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tuple[int, ...] = (),
+def submit(queue: RequestQueue, req: GenRequest, *, read_ids: tuple[int, ...] = (),
            lease: StateLease | None = None, keep_state: bool = False) -> trio.MemoryReceiveChannel[TokenEvent]:
     """Queue req without waiting. Returns the receive end of its event channel, which the
-    caller owns and must close (closing it early cancels the generation).
+    caller owns and must close (closing it early cancels the generation, and while it still
+    waits gives back its place in the queue).
 
     Raises QueueFull when --queue-depth requests already wait, EngineStopped when the
     scheduler is gone."""
@@ -73,13 +67,10 @@ def submit(submit_tx: trio.MemorySendChannel, req: GenRequest, *, read_ids: tupl
         keep_state=keep_state,
     )
     try:
-        submit_tx.send_nowait(sub)
-    except trio.WouldBlock:
+        queue.put(sub)
+    except (QueueFull, EngineStopped):
         rx.close()
-        raise QueueFull("the request queue is full") from None
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        rx.close()
-        raise EngineStopped("the engine is unavailable") from None
+        raise
     return rx
 
 

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
-
 import attrs
-
-if TYPE_CHECKING:  # trio is only needed for the annotation
-    import trio
+import trio
 
 
 # A top_k at or past every vocabulary keeps every token, as 0 does (both picks cut at
@@ -135,6 +131,9 @@ class Submission:
     keep_state: bool = False
     # When the route handed it over (monotonic seconds): queue time and TTFT count from here.
     arrived: float = attrs.field(factory=time.monotonic)
+    # Set by the scheduler when it takes the submission off the request channel: from then on
+    # it no longer counts toward --queue-depth (request_queue.py).
+    taken: trio.Event = attrs.field(factory=trio.Event)
 
     @property
     def is_read_only(self) -> bool:

@@ -10,6 +10,7 @@ import trio
 
 from caldrix.config import ServeConfig
 from caldrix.generate import EngineFailed, GenRequest, pieces, submit
+from caldrix.request_queue import RequestQueue
 
 
 def run_once(cfg: ServeConfig, prompt: str, *, chat: bool, max_tokens: int | None, stops: tuple[str, ...], ignore_eos: bool) -> int:
@@ -41,11 +42,11 @@ def run_once(cfg: ServeConfig, prompt: str, *, chat: bool, max_tokens: int | Non
     )
 
     async def main() -> int:
-        tx, rx = trio.open_memory_channel(1)
+        queue, rx = RequestQueue.open(1)
         async with trio.open_nursery() as nursery:
             await nursery.start(rt.scheduler.run, rx)
-            async with tx:
-                events = submit(tx, req)
+            async with queue.tx:
+                events = submit(queue, req)
                 spec = None
                 try:
                     async for piece in pieces(events, tok, stops, prompt_ids=ids):

@@ -23,6 +23,7 @@ import sys
 import trio
 
 from caldrix.config import ServeConfig
+from caldrix.request_queue import RequestQueue
 
 log = logging.getLogger("caldrix")
 
@@ -50,10 +51,10 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
     from caldrix.app import create_app
 
-    # The bounded request channel: its buffer is the queue of requests waiting beyond the
-    # running ones (--queue-depth); a full buffer is a 429 at the route.
-    submit_tx, submit_rx = trio.open_memory_channel(cfg.queue_depth)
-    app = create_app(rt, submit_tx)
+    # The bounded request channel: it holds the requests waiting beyond the running ones
+    # (--queue-depth); a full queue is a 429 at the route (request_queue.py).
+    queue, submit_rx = RequestQueue.open(cfg.queue_depth)
+    app = create_app(rt, queue)
     hc = HyperConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.graceful_timeout = cfg.graceful_timeout
@@ -72,7 +73,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     gc.freeze()
 
     async def http(task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with submit_tx:  # closed once hypercorn is done: the scheduler then drains and ends
+        async with queue.tx:  # closed once hypercorn is done: the scheduler then drains and ends
             async with trio.open_nursery() as watchdog:
                 watchdog.start_soon(_cut_before_deadline, stop, rt.scheduler, cfg.graceful_timeout)
                 await hypercorn_serve(finish_shielded(app), hc, shutdown_trigger=stop.wait,

@@ -819,6 +819,37 @@ def test_queue_full_is_429(tight):
         assert r.status_code == 200, r.text
 
 
+def test_a_client_that_leaves_the_queue_gives_its_place_back(tight):
+    """docs/http.md: a client that gives up on a queued request frees its place in the queue
+    within a step. The only slot stays busy throughout (a 4000-token stream), so the place can
+    only come back from the queued request itself: a streamed one closed, then a non-streamed
+    one whose client times out. Counted by the channel's fill, each left a ghost that made
+    every newcomer a 429 until the running stream ended, minutes later."""
+
+    def queued_gets_a_place(client) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            with client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as c:
+                if c.status_code == 200:
+                    return  # queued behind the running stream; leaving closes it again
+                assert c.status_code == 429
+            assert time.monotonic() < deadline, "the place was not given back"
+            time.sleep(0.2)
+
+    with httpx.Client(base_url=tight.url, timeout=TIMEOUT) as a_client, \
+            httpx.Client(base_url=tight.url, timeout=TIMEOUT) as b_client:
+        with a_client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as a:
+            a_events = iter_events(a.iter_lines())
+            next(a_events)  # running: it holds the only slot
+            with b_client.stream("POST", "/v1/completions", json=long_stream_body("tight")) as b:
+                assert b.status_code == 200  # queued
+            queued_gets_a_place(b_client)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(tight.url + "/v1/completions", json={"model": "tight", "prompt": "hi", "max_tokens": 1},
+                           timeout=httpx.Timeout(1.0, connect=10.0))
+            queued_gets_a_place(b_client)
+
+
 def test_disconnect_frees_the_slot(tight):
     """With one slot, a new request can only run once the abandoned stream's slot is freed.
     The abandoned stream asks for 4000 tokens, minutes of work on two cores, so a short

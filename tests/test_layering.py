@@ -25,7 +25,7 @@ LAYERS = {
     "caldrix.app": 7,
     "caldrix.faults": 8,
     "caldrix.routes": 6, "caldrix.runtime": 6, "caldrix.systemone": 6, "caldrix.decider": 6, "caldrix.vision": 6, "caldrix.lanes": 6,
-    "caldrix.generate": 5, "caldrix.text": 5, "caldrix.tokenizer": 5, "caldrix.telemetry": 5, "caldrix.metrics": 5,
+    "caldrix.generate": 5, "caldrix.request_queue": 5, "caldrix.text": 5, "caldrix.tokenizer": 5, "caldrix.telemetry": 5, "caldrix.metrics": 5,
     "caldrix.sched": 4,
     "caldrix.engine": 3, "caldrix.host_engine": 3, "caldrix.batch": 3, "caldrix.sampler": 3,
     "caldrix.device_pick": 3, "caldrix.weight_budget": 3, "caldrix.draft": 3, "caldrix.engine_probes": 3,

@@ -107,7 +107,7 @@ async def _vision_chat(rt, req):
 async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_param: str, *, embeds: tuple = ()):
     """`embeds`: an image request's embedding spans, whose rows the engine holds already; such a
     request reuses no held rows, leaves none, and is never captured by the replay ring."""
-    rt, submit_tx = _state()
+    rt, queue = _state()
     try:
         if not ids:
             raise ApiError.invalid("the prompt is empty", prompt_param)
@@ -129,11 +129,11 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
         embeds=embeds,
     )
     try:
-        rx = submit(submit_tx, gen)
+        rx = submit(queue, gen)
     except QueueFull:
         _drop(rt, embeds)  # never handed over: the scheduler will not drop them
         refuse(rid, gen, 429, stream=req.stream)
-        wait = backoff.retry_after_s(rt.telemetry.records(), submit_tx.statistics().current_buffer_used, rt.cfg.max_batch)
+        wait = backoff.retry_after_s(rt.telemetry.records(), queue.waiting(), rt.cfg.max_batch)
         raise ApiError.queue_full(backoff.headers(wait)) from None
     except EngineStopped:
         _drop(rt, embeds)

@@ -31,9 +31,9 @@ bp = Blueprint("debug", __name__)
 
 @bp.record_once
 def _wire(state) -> None:
-    """Point the scrape-time gauges at the scheduler and the request channel."""
-    rt, submit_tx = state.app.extensions["caldrix"]
-    rt.telemetry.metrics.read_live_from(lambda: rt.scheduler.statistics(submit_tx.statistics().current_buffer_used))
+    """Point the scrape-time gauges at the scheduler and the request queue."""
+    rt, queue = state.app.extensions["caldrix"]
+    rt.telemetry.metrics.read_live_from(lambda: rt.scheduler.statistics(queue.waiting()))
 
 
 def _telemetry() -> Telemetry:

@@ -29,6 +29,7 @@ from caldrix.decider.systemone import DeciderReading
 from caldrix.routes.responses import json_response
 from caldrix.generate import EngineStopped, GenRequest, QueueFull, submit
 from caldrix.protocol import FinishReason, SamplingParams, StateLease
+from caldrix.request_queue import RequestQueue
 from caldrix.routes import backoff
 from caldrix.routes.debug import refuse
 from caldrix.routes.errors import ApiError
@@ -58,7 +59,7 @@ def reading_for(rt) -> Reading:
 
 @bp.post(ROUTE)
 async def systemone():
-    rt, submit_tx = current_app.extensions["caldrix"]
+    rt, queue = current_app.extensions["caldrix"]
     body = parse_body(await request.get_data(cache=False))
     reading = reading_for(rt)
     req = parse_request(body, rt.served_name, reading.limits)
@@ -86,7 +87,7 @@ async def systemone():
                 if probe.text and log.isEnabledFor(logging.DEBUG):  # text only when asked for
                     log.debug("%s question %s prompt %s", rid, plan.question.name, json.dumps(probe.text))
                 keep = lease is not None and not ran
-                read, reused = await _read(rt, submit_tx, rid, probe, ran, lease, keep)
+                read, reused = await _read(rt, queue, rid, probe, ran, lease, keep)
                 reads.append(read)
                 tokens += probe.counted - reused
             try:
@@ -125,17 +126,17 @@ def _lease_for(rt, plans: list[Plan]) -> StateLease | None:
     return StateLease(next(_lease_keys), shared)
 
 
-async def _read(rt, submit_tx: trio.MemorySendChannel, rid: str, probe: Probe, ran: list[str],
+async def _read(rt, queue: RequestQueue, rid: str, probe: Probe, ran: list[str],
                 lease: StateLease | None = None, keep: bool = False) -> tuple[tuple[float, ...], int]:
     """Submit one read-only probe and wait for its logits: (the read, the prompt tokens it
     did not read because it started from the lease's kept state)."""
     gen = GenRequest(request_id=rid, prompt_ids=probe.ids, max_tokens=1, sampling=SamplingParams(),
                      stop_token_ids=frozenset())
     try:
-        rx = submit(submit_tx, gen, read_ids=probe.read_ids, lease=lease, keep_state=keep)
+        rx = submit(queue, gen, read_ids=probe.read_ids, lease=lease, keep_state=keep)
     except QueueFull:
         refuse(rid, gen, 429, stream=False)
-        wait = backoff.retry_after_s(rt.telemetry.records(), submit_tx.statistics().current_buffer_used, rt.cfg.max_batch)
+        wait = backoff.retry_after_s(rt.telemetry.records(), queue.waiting(), rt.cfg.max_batch)
         raise ApiError.queue_full(backoff.headers(wait)) from None
     except EngineStopped:
         refuse(rid, gen, 503, stream=False)

@@ -2,9 +2,10 @@
 (runners.py, threads.py); everything else in sched/ is synchronous.
 
 Admission and backpressure: the scheduler takes a submission off the request channel only when a
-slot is free for it, and whenever one is (also while a step runs: `_admitting`), so the channel's
-buffer (--queue-depth) is exactly the queue of requests waiting beyond those running, and a
-route whose `send_nowait` finds it full answers 429.
+slot is free for it, and whenever one is (also while a step runs: `_admitting`), so the channel
+holds exactly the requests waiting beyond those running; the routes' side (request_queue.py)
+answers 429 when --queue-depth of them wait. Taking one sets its `taken`, which ends its count
+there; one whose client has left is dropped here as an abort.
 
 Two lanes: decode steps are awaited inline; a prompt chunk runs as a task of the scheduler's own
 nursery (`_prefill_lane`) and hands its output back on a channel of one. The loop applies both
@@ -269,6 +270,7 @@ class Scheduler:
         self._fail_all(requests)
 
     def _admit(self, sub: Submission) -> None:
+        sub.taken.set()
         seq = Sequence(sub)
         if sub.events.statistics().open_receive_channels == 0:
             seq.finish = FinishReason.ABORT  # the client left while queued
@@ -327,7 +329,9 @@ class Scheduler:
         failed = list(self.policy.running)
         while True:
             try:
-                failed.append(Sequence(requests.receive_nowait()))
+                sub = requests.receive_nowait()
+                sub.taken.set()
+                failed.append(Sequence(sub))
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
         self._answer_all(failed, FinishReason.ERROR, self.failed)

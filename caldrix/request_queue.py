@@ -1,0 +1,72 @@
+"""The route side of the request channel: --queue-depth requests may wait, one more is a 429.
+
+The channel's buffer holds the requests that wait beyond the running ones; the scheduler takes
+one off only when a slot is free for it (sched/loop.py). A client can give up while its request
+waits (a timeout, a closed stream). Its submission stays in the channel until the scheduler
+takes it and drops it as an abort, but it stops counting toward the depth as soon as its route
+closes the event channel: counted by the channel's fill alone, such requests refused newcomers
+with 429 for as long as every slot stayed busy, with nobody waiting.
+
+So the depth is checked against `waiting()`, the handed-over submissions that the scheduler has
+not taken (`Submission.taken`) and whose route still listens. The channel itself has room for
+`ABANDONED_ROOM` more, for the abandoned ones; when those fill it too, the route answers 429 all
+the same, which bounds what abandoned requests can hold.
+
+Ownership: routes alone call `put` and `waiting` (the list of handed-over submissions is theirs);
+the scheduler alone sets `taken`; the server closes `tx` when it stops.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from caldrix.protocol import Submission
+
+
+def abandoned_room(depth: int) -> int:
+    """Channel room beyond --queue-depth for submissions whose clients left while they waited."""
+    return max(depth, 16)
+
+
+class QueueFull(Exception):
+    """--queue-depth requests already wait: answer 429."""
+
+
+class EngineStopped(Exception):
+    """The scheduler has stopped (engine failure or shutdown): answer 503."""
+
+
+@attrs.define(eq=False)
+class RequestQueue:
+    depth: int
+    tx: trio.MemorySendChannel[Submission]
+    _handed: list[Submission] = attrs.Factory(list)  # put, and not yet seen taken or left
+
+    @classmethod
+    def open(cls, depth: int) -> tuple["RequestQueue", trio.MemoryReceiveChannel[Submission]]:
+        """A queue of `depth` and the receive end the scheduler reads."""
+        tx, rx = trio.open_memory_channel[Submission](depth + abandoned_room(depth))
+        return cls(depth, tx), rx
+
+    def waiting(self) -> int:
+        """Requests waiting for a slot whose clients have not left."""
+        self._handed = [s for s in self._handed
+                        if not s.taken.is_set() and s.events.statistics().open_receive_channels > 0]
+        return len(self._handed)
+
+    def put(self, sub: Submission) -> None:
+        """Hand `sub` to the scheduler without waiting. Raises QueueFull when `depth` requests
+        already wait (or abandoned ones fill the channel's room), EngineStopped when the
+        scheduler is gone."""
+        if self.waiting() >= self.depth:
+            if self.tx.statistics().open_receive_channels == 0:
+                raise EngineStopped("the engine is unavailable")  # as send_nowait would say
+            raise QueueFull("the request queue is full")
+        try:
+            self.tx.send_nowait(sub)
+        except trio.WouldBlock:
+            raise QueueFull("the request queue is full") from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise EngineStopped("the engine is unavailable") from None
+        self._handed.append(sub)

@@ -1,0 +1,69 @@
+"""The request queue's depth counts the requests still waiting: not the ones the scheduler took,
+nor the ones whose clients left (caldrix/request_queue.py). The HTTP side of the same is
+tests/test_http_api.py's test_a_client_that_leaves_the_queue_gives_its_place_back."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from caldrix.protocol import SamplingParams, Submission
+from caldrix.request_queue import EngineStopped, QueueFull, RequestQueue, abandoned_room
+
+
+def submission(n: int) -> tuple[Submission, trio.MemoryReceiveChannel]:
+    tx, rx = trio.open_memory_channel(2)
+    return Submission(request_id=f"r{n}", prompt_ids=(1, 2), max_tokens=1, sampling=SamplingParams(),
+                      stop_token_ids=frozenset(), events=tx), rx
+
+
+def test_the_depth_counts_only_requests_still_waiting():
+    async def main():
+        queue, rx = RequestQueue.open(2)
+        (a, a_rx), (b, b_rx), (c, _) = submission(1), submission(2), submission(3)
+        queue.put(a)
+        queue.put(b)
+        assert queue.waiting() == 2
+        with pytest.raises(QueueFull):
+            queue.put(c)
+        b_rx.close()  # b's client left while it waited
+        assert queue.waiting() == 1
+        queue.put(c)
+        assert rx.receive_nowait() is a
+        a.taken.set()  # as the scheduler does when it takes one
+        assert queue.waiting() == 1  # c; b is a ghost still in the channel
+        assert rx.statistics().current_buffer_used == 2
+        assert [rx.receive_nowait().request_id for _ in range(2)] == ["r2", "r3"]
+
+    trio.run(main)
+
+
+def test_abandoned_requests_are_bounded_by_the_channels_room():
+    async def main():
+        depth = 3
+        queue, rx = RequestQueue.open(depth)
+        for n in range(depth + abandoned_room(depth)):
+            sub, sub_rx = submission(n)
+            queue.put(sub)
+            sub_rx.close()  # every client leaves at once
+        assert queue.waiting() == 0
+        with pytest.raises(QueueFull):  # nobody waits, but the channel is full of ghosts
+            queue.put(submission(99)[0])
+        rx.receive_nowait()  # the scheduler takes one (and would drop it as an abort)
+        queue.put(submission(100)[0])
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_stopped_scheduler_is_engine_stopped_even_with_the_queue_full(full):
+    async def main():
+        queue, rx = RequestQueue.open(1)
+        if full:
+            queue.put(submission(1)[0])
+        rx.close()
+        sub, sub_rx = submission(2)
+        with pytest.raises(EngineStopped):
+            queue.put(sub)
+
+    trio.run(main)
