@@ -25,8 +25,9 @@ from caldrix.protocol import Submission
 
 
 def abandoned_room(depth: int) -> int:
-    """Channel room beyond --queue-depth for submissions whose clients left while they waited."""
-    return max(depth, 16)
+    """Channel room beyond --queue-depth for submissions whose clients left while they waited.
+    None at depth 0: the channel is then a rendezvous, so nothing ever waits in it."""
+    return max(depth, 16) if depth else 0
 
 
 class QueueFull(Exception):
@@ -59,7 +60,7 @@ class RequestQueue:
         """Hand `sub` to the scheduler without waiting. Raises QueueFull when `depth` requests
         already wait (or abandoned ones fill the channel's room), EngineStopped when the
         scheduler is gone."""
-        if self.waiting() >= self.depth:
+        if self.depth and self.waiting() >= self.depth:  # at depth 0 the rendezvous decides
             if self.tx.statistics().open_receive_channels == 0:
                 raise EngineStopped("the engine is unavailable")  # as send_nowait would say
             raise QueueFull("the request queue is full")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 from caldrix.protocol import SamplingParams, Submission
 from caldrix.request_queue import EngineStopped, QueueFull, RequestQueue, abandoned_room
@@ -65,5 +66,25 @@ def test_a_stopped_scheduler_is_engine_stopped_even_with_the_queue_full(full):
         sub, sub_rx = submission(2)
         with pytest.raises(EngineStopped):
             queue.put(sub)
+
+    trio.run(main)
+
+
+def test_depth_0_takes_a_request_only_while_the_scheduler_waits_for_one():
+    """--queue-depth 0: nothing may wait beyond the running requests, so the channel is a
+    rendezvous and a submission goes through only into a free slot's receive."""
+
+    async def main():
+        queue, rx = RequestQueue.open(0)
+        with pytest.raises(QueueFull):
+            queue.put(submission(1)[0])
+        got = []
+        async with trio.open_nursery() as nursery:
+            async def take():
+                got.append(await rx.receive())
+            nursery.start_soon(take)
+            await trio.testing.wait_all_tasks_blocked()
+            queue.put(submission(2)[0])
+        assert [s.request_id for s in got] == ["r2"]
 
     trio.run(main)

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from caldrix.app import create_app
+from caldrix.request_queue import RequestQueue
 from caldrix.protocol import FinishReason, TokenEvent
 from caldrix.telemetry import Telemetry
 from caldrix.tokenizer import Tokenizer
@@ -54,8 +55,8 @@ def run(tokenizer, script: list[str], body=BODY):
     seen = []
 
     async def main():
-        tx, rx = trio.open_memory_channel(0)
-        app = create_app(rt, tx)
+        queue, rx = RequestQueue.open(0)  # a rendezvous: full whenever the scheduler is not receiving
+        app = create_app(rt, queue)
 
         async def scheduler():
             for step in script:
