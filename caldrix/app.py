@@ -7,7 +7,7 @@ import logging
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from caldrix.routes import completions, debug, health, openapi, systemone
+from caldrix.routes import completions, debug, health, openapi, prompt_ids, systemone
 from caldrix.routes.errors import ApiError
 from caldrix.routes.responses import error_response, json_response  # noqa: F401 -- json_response: re-exported
 from caldrix.request_queue import RequestQueue
@@ -36,6 +36,7 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 300
     app.extensions["caldrix"] = (rt, queue)
+    app.extensions[prompt_ids.LIMITER_KEY] = prompt_ids.new_limiter()
     app.register_blueprint(health.bp)
     app.register_blueprint(completions.bp)
     app.register_blueprint(debug.bp)  # /metrics, /debug/*, and the response counter

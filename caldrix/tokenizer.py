@@ -54,6 +54,7 @@ class Tokenizer:
         # Set once a template has refused a system message: later requests merge up front
         # rather than fail a render first.
         self._merge_system = False
+        self._longest: int | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -83,6 +84,20 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._hf, "chat_template", None))
+
+    @property
+    def longest_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes one token stands for: the longest vocabulary entry
+        in UTF-8 (byte-level BPE writes a byte as one character of at most two bytes), so a
+        text of B bytes is at least B / this many tokens, for text the tokenizer's
+        normalization does not shrink. Read from the vocabulary on first use."""
+        if self._longest is None:
+            self._longest = max(1, max((len(t.encode("utf-8")) for t in self._hf.get_vocab()), default=1))
+        return self._longest
+
+    def at_least_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, without tokenizing it (`longest_token_bytes`)."""
+        return -(-len(text.encode("utf-8")) // self.longest_token_bytes)
 
     # -- text ---------------------------------------------------------------------------------
 

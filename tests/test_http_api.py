@@ -16,6 +16,8 @@ for raw bodies, status codes and server-sent events.
 from __future__ import annotations
 
 import json
+import random
+import threading
 import time
 from pathlib import Path
 
@@ -581,6 +583,48 @@ def test_prompt_too_long_for_the_context(http, server, model):
     r = http.post("/v1/chat/completions", json={
         "model": model, "messages": [{"role": "user", "content": long_text}], "max_tokens": 1})
     assert_error(r, 400, "messages", contains="leaves no room for a reply")
+
+
+def words_of(n_bytes: int) -> str:
+    rng = random.Random(n_bytes)
+    text = " ".join(f"w{rng.randrange(10**6)}" for _ in range(n_bytes // 4))
+    return text[:n_bytes]
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(http, server, model, tokenizer):
+    """Past the vocabulary's longest token per token, a text cannot fit whatever it spells: the
+    400 says "at least" (a bound, not a count), and comes without tokenizing megabytes."""
+    longest = max(len(t.encode()) for t in tokenizer.get_vocab())
+    text = words_of(longest * server.context + 1)
+    for path, body in (("/v1/completions", {"prompt": text}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):
+        r = http.post(path, json={"model": model, "max_tokens": 1, **body})
+        err = assert_error(r, 400, "prompt" if "prompt" in body else "messages")
+        assert err["message"] == (f"the prompt is at least {server.context + 1} tokens and the context holds "
+                                  f"{server.context}; that leaves no room for a reply")
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(http, server, model, tokenizer):
+    """A prompt just under that bound is tokenized, which takes a while; meanwhile the server
+    answers others. Done on the event loop, /healthz sent while it ran waited for its 400."""
+    longest = max(len(t.encode()) for t in tokenizer.get_vocab())
+    text = words_of(longest * server.context - longest)
+    done: dict[str, float] = {}
+
+    def big() -> None:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+            r = c.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 1})
+        done["big"] = time.monotonic()
+        err = assert_error(r, 400, "prompt")
+        assert "at least" not in err["message"]  # counted, so it was tokenized
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.3)  # the body is up and parsed; tokenizing it takes seconds on two cores
+    assert http.get("/healthz").status_code == 200
+    done["health"] = time.monotonic()
+    thread.join()
+    assert done["health"] < done["big"]
 
 
 @pytest.mark.parametrize("bad", ["vocab", -1])

@@ -1,7 +1,7 @@
 """POST /v1/completions and POST /v1/chat/completions, streamed or not.
 
-Flow: read the body (413 over the limit) -> validate into a typed request (400) -> tokenize and
-check the context (400) -> submit to the scheduler (429 when the queue is full, 503 when the
+Flow: read the body (413 over the limit) -> validate into a typed request (400) -> tokenize (off
+the event loop when long: prompt_ids.py) and check the context (400) -> submit to the scheduler (429 when the queue is full, 503 when the
 engine has stopped) -> turn token events into text, JSON or SSE.
 """
 
@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 
+import trio
 from quart import Blueprint, Response, current_app, request
 
 from caldrix.routes.responses import json_response
@@ -19,6 +20,7 @@ from caldrix.protocol import FinishReason
 from caldrix.routes import backoff, sse
 from caldrix.routes.debug import refuse, tracked
 from caldrix.routes.errors import ApiError
+from caldrix.routes.prompt_ids import LIMITER_KEY, build, check_fits
 from caldrix.routes.schemas import ModelLimits, parse_body, parse_chat, parse_completion, reply_budget
 from caldrix.tokenizer import ChatTemplateError
 
@@ -29,6 +31,10 @@ _ids = itertools.count(1)
 
 def _state():
     return current_app.extensions["caldrix"]
+
+
+def _prompt_threads() -> trio.CapacityLimiter:
+    return current_app.extensions[LIMITER_KEY]
 
 
 def _vision():
@@ -51,7 +57,11 @@ async def completions():
     rt, _ = _state()
     body = parse_body(await request.get_data(cache=False))
     req = parse_completion(body, limits(rt), rt.cfg.sampling, default_seed=rt.cfg.seed)
-    ids = req.prompt if isinstance(req.prompt, tuple) else tuple(rt.tokenizer.encode(req.prompt))
+    if isinstance(req.prompt, tuple):
+        ids = req.prompt
+    else:
+        check_fits(rt.tokenizer, (req.prompt,), rt.context, "prompt")
+        ids = tuple(await build(_prompt_threads(), len(req.prompt), rt.tokenizer.encode, req.prompt))
     return await _generate("cmpl", "text_completion", req, ids, "prompt")
 
 
@@ -60,16 +70,18 @@ async def chat_completions():
     rt, _ = _state()
     body = parse_body(await request.get_data(cache=False))
     req = parse_chat(body, limits(rt), rt.cfg.sampling, default_seed=rt.cfg.seed)
+    texts = [m.content for m in req.messages]
+    check_fits(rt.tokenizer, texts, rt.context, "messages")
     if _vision() is not None:
-        return await _vision_chat(rt, req)
+        return await _vision_chat(rt, req, sum(map(len, texts)))
     try:
-        ids = tuple(rt.tokenizer.render_chat(req.messages))
+        ids = tuple(await build(_prompt_threads(), sum(map(len, texts)), rt.tokenizer.render_chat, req.messages))
     except ChatTemplateError as exc:
         raise ApiError.invalid(str(exc), "messages") from None
     return await _generate("chatcmpl", "chat.completion", req, ids, "messages")
 
 
-async def _vision_chat(rt, req):
+async def _vision_chat(rt, req, size: int):
     """A chat request on a vision model: the prompt planned from the images' headers, the
     context checked, and only then the images decoded and embedded (in the decode limiter)."""
     from caldrix.vision.limiter import DecodeQueueFull
@@ -81,7 +93,7 @@ async def _vision_chat(rt, req):
     render = lambda conv: hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)  # noqa: E731
     encode = lambda text: hf.encode(text, add_special_tokens=False)  # noqa: E731
     try:
-        plan = plan_prompt(render, encode, req.messages, vs.tokens, vs.settings)
+        plan = await build(_prompt_threads(), size, plan_prompt, render, encode, req.messages, vs.tokens, vs.settings)
     except ValueError as exc:  # the template's <image> count against the images
         raise ApiError.invalid(str(exc), "messages") from None
     except Exception as exc:  # jinja2's TemplateError, or whatever the template trips on

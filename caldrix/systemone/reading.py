@@ -152,7 +152,6 @@ class ZeroShot:
     vocab_size: int  # the model's rows: a label id must be below it
     limits: Limits = Limits()
     _label_ids: dict[str, int | None] = attrs.field(factory=dict, init=False)
-    _longest: int | None = attrs.field(default=None, init=False)
 
     def check_model(self) -> None:
         if not self.tokenizer.has_chat_template:
@@ -181,22 +180,14 @@ class ZeroShot:
             out.append(got)
         return tuple(out)
 
-    def longest_token_bytes(self) -> int:
-        """An upper bound on the UTF-8 bytes one token stands for: the longest vocabulary entry,
-        in UTF-8 (byte-level BPE writes a byte as one character of at most two bytes)."""
-        if self._longest is None:
-            self._longest = max((len(t.encode("utf-8")) for t in self.tokenizer.hf.get_vocab()), default=1)
-        return max(1, self._longest)
-
     def plan(self, req: SystemOneRequest, context: int) -> list[Plan]:
         hf = self.tokenizer.hf
         read = [self.label_ids(self.labels(q)) for q in req.questions]
         texts = [zs_prompt.render(hf, zs_prompt.user_message(req.state, q, self.labels(q))) for q in req.questions]
         # Before tokenizing anything: a prompt whose bytes need more tokens than the context
         # holds, even at the vocabulary's longest token each, cannot fit.
-        longest = self.longest_token_bytes()
         for q, text in zip(req.questions, texts):
-            at_least = -(-len(text.encode("utf-8")) // longest)
+            at_least = self.tokenizer.at_least_tokens(text)
             if at_least >= context:
                 raise ApiError.invalid(f"the prompt of this question is at least {at_least} tokens and the context "
                                        f"holds {context}; that leaves no room for the read", q.path)

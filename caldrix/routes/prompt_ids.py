@@ -1,0 +1,53 @@
+"""A request's prompt text to token ids, refused cheaply when it cannot fit, and built off the
+event loop when it is long.
+
+Tokenizing a 3 MB prompt (under the 4 MiB body limit) takes seconds. Done on the event loop,
+it held every other request, every stream's next chunk and /healthz for that long. So:
+
+- Before tokenizing, a text whose bytes need more tokens than the context holds, even at the
+  vocabulary's longest token each (`Tokenizer.at_least_tokens`), is a 400 at once.
+- A text longer than `INLINE_CHARS` is tokenized (and a chat rendered through its template) on
+  a worker thread, at most `PROMPT_THREADS` at a time server-wide; shorter ones are cheaper
+  inline than the thread hop. The tokenizers library releases the GIL while it encodes, so the
+  loop goes on serving meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from caldrix.routes.errors import ApiError
+
+T = TypeVar("T")
+
+INLINE_CHARS = 8192  # about 6 ms of tokenizing on one core: below this, no thread hop
+PROMPT_THREADS = 2  # worker threads building prompts at once, server-wide (the extension below)
+LIMITER_KEY = "caldrix.prompt_threads"
+
+
+def new_limiter() -> trio.CapacityLimiter:
+    """The server's prompt-building limiter; made in create_app, under the server's nursery."""
+    return trio.CapacityLimiter(PROMPT_THREADS)
+
+
+def check_fits(tokenizer: Any, chars: Sequence[str], context: int, param: str) -> None:
+    """A 400 at `param` when `chars` (the prompt's texts) cannot fit the context at any
+    tokenization: at least `context` tokens leave no row for a reply."""
+    at_least = sum(tokenizer.at_least_tokens(t) for t in chars)
+    if at_least >= context:
+        raise ApiError.invalid(
+            f"the prompt is at least {at_least} tokens and the context holds {context}; "
+            "that leaves no room for a reply",
+            param,
+        )
+
+
+async def build(limiter: trio.CapacityLimiter, size: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), on a worker thread of `limiter` when `size` (characters) is past INLINE_CHARS.
+    Cancelling the caller abandons the thread's result; the thread itself runs to its end."""
+    if size <= INLINE_CHARS:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
