@@ -1,7 +1,9 @@
-"""The caldrix command line: serve, run, fetch, models, replay, bench.
+"""The caldrix command line: serve, run, fetch, models, replay. (The benchmark against peers is
+bench/serve.py in the repository, `make bench`: it needs the peers' own packages.)
 
 Exit status: 0 on success, 2 on bad arguments (argparse's own convention, and a bad flag value
-names the flag), 1 on a model or engine failure.
+names the flag), 1 on a model or engine failure. `caldrix run` exits 130 on Ctrl-C and 141 when
+its reader goes away (a closed pipe), quietly, as shell tools do.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from caldrix import __version__
 from caldrix.batch import MAX_DRAFT_TOKENS
 from caldrix.config import DEFAULT_PORT, FlagError, ServeConfig
-from caldrix.lanes import settle_flags
+from caldrix.lanes import backend_refusal, settle_flags
 from caldrix.protocol import SamplingParams
 
 
@@ -44,6 +46,17 @@ def _int_in(lo: int, hi: int):
         return value
 
     return parse
+
+
+MAX_PORT = 65535
+SEED_LIMIT = 2**64  # http-api.md: a seed is a non-negative integer below 2**64 (http.md)
+
+
+def _seed(text: str) -> int:
+    value = _int_at_least(-1)(text)
+    if value >= SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be -1 or an integer 0 <= seed < 2**64, got {value}")
+    return value
 
 
 def _ngram(text: str) -> tuple[int, int]:
@@ -141,8 +154,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--top-p", type=_float_in(lambda v: 0 < v <= 1, "0 < p <= 1"), default=1.0)
     s.add_argument("--min-p", type=_float_in(lambda v: 0 <= v <= 1, "0 <= p <= 1"), default=0.0)
     s.add_argument("--repetition-penalty", type=_float_in(lambda v: v > 0, "a finite number > 0"), default=1.0)
-    s.add_argument("--seed", type=_int_at_least(-1), default=None, help="default seed; -1 or absent: fresh per request")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    s.add_argument("--seed", type=_seed, default=None, help="default seed below 2**64; -1 or absent: fresh per request")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="(default info)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,15 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
                        help="a model directory, a .gguf file, a registry alias or a repo id (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=_int_at_least(0), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--port", type=_int_in(0, MAX_PORT), default=DEFAULT_PORT,
+                       help=f"port (default {DEFAULT_PORT}; 0 takes a free one, and the start-up line names it)")
     serve.add_argument("--queue-depth", type=_int_at_least(0), default=64,
                        help="requests that may wait beyond those running; one more is a 429 (default 64)")
     serve.add_argument("--graceful-timeout", type=_float_in(lambda v: v >= 0, "a number of seconds >= 0"), default=30.0,
                        help="on SIGINT/SIGTERM, seconds running requests get to finish (default 30)")
-    serve.add_argument("--replay-ring", type=_int_at_least(1), default=256, help="recent requests kept for /debug/requests")
+    serve.add_argument("--replay-ring", type=_int_at_least(1), default=256, help="recent requests kept for /debug/requests (default 256)")
     _engine_flags(serve)
 
-    run = sub.add_parser("run", help="generate once and stream the text to stdout")
+    run = sub.add_parser("run", help="generate once and stream the text to stdout",
+                         usage="caldrix run [MODEL] PROMPT [flags]")
     run.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="PROMPT, or MODEL PROMPT; '-' reads the prompt from stdin")
     run.add_argument("--chat", action="store_true", help="render the prompt as one user message through the chat template")
     run.add_argument("--max-tokens", type=_int_at_least(1), default=None, help="cap on generated tokens")
@@ -223,6 +238,43 @@ def config_from(args: argparse.Namespace, model: str | None) -> ServeConfig:
     )
 
 
+MAX_STOPS = 4
+MAX_STOP_BYTES = 256  # as http-api.md's stop field: 1 to 256 bytes each
+
+
+def stop_refusal(stops: list[str]) -> str | None:
+    if len(stops) > MAX_STOPS:
+        return f"--stop: at most {MAX_STOPS} stop strings, got {len(stops)}"
+    for s in stops:
+        if not 1 <= len(s.encode("utf-8")) <= MAX_STOP_BYTES:
+            return f"--stop: each stop string is 1 to {MAX_STOP_BYTES} bytes, got {len(s.encode('utf-8'))}"
+    return None
+
+
+def _quietly(generate) -> int:
+    """`caldrix run`'s generation, ended quietly by Ctrl-C (130) or by a reader that went away
+    (141, as a shell tool killed by SIGPIPE): trio hands either back inside an exception group."""
+    try:
+        try:
+            return generate()
+        except BaseExceptionGroup as group:
+            pipe, rest = group.split(BrokenPipeError)
+            if pipe is not None and rest is None:
+                raise BrokenPipeError from None
+            interrupt, rest = group.split(KeyboardInterrupt)
+            if interrupt is not None and rest is None:
+                raise KeyboardInterrupt from None
+            raise
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # Python would report the pipe again while flushing stdout at exit: point it at nothing.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -230,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     from caldrix.weights.source import ModelNotFound
 
     if args.command in ("serve", "run"):
-        wrong = settle_flags(args) or check_speculation(args)
+        wrong = settle_flags(args) or backend_refusal(args.backend) or check_speculation(args)
         if wrong:
             parser.error(wrong)
     try:
@@ -245,14 +297,18 @@ def main(argv: list[str] | None = None) -> int:
             if len(args.args) > 2:
                 parser.error("run takes [MODEL] PROMPT")
             model, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
-            if len(args.stop) > 4:
-                parser.error("--stop: at most 4 stop strings")
+            wrong = stop_refusal(args.stop)
+            if wrong:
+                parser.error(wrong)
             from caldrix.run import run_once
 
             if prompt == "-":
                 prompt = sys.stdin.read()
-            return run_once(config_from(args, model), prompt, chat=args.chat, max_tokens=args.max_tokens,
-                            stops=tuple(args.stop), ignore_eos=args.ignore_eos)
+            if not prompt:
+                parser.error("PROMPT: the prompt is empty")
+            return _quietly(lambda: run_once(config_from(args, model), prompt, chat=args.chat,
+                                             max_tokens=args.max_tokens, stops=tuple(args.stop),
+                                             ignore_eos=args.ignore_eos))
         if args.command == "fetch":
             from caldrix.weights.commands import fetch
 

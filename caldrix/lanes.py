@@ -83,6 +83,22 @@ def settle_flags(args: argparse.Namespace, seen: Callable[[], str | None] | None
     return None
 
 
+def backend_refusal(backend: str, seen: Callable[[], str | None] | None = None) -> str | None:
+    """Why an explicit `--backend cuda|hip` cannot run here, naming the flag; None if it can.
+    Checked before any weight loads: torch must see a GPU of that kind (a ROCm build drives
+    the hip lane, a CUDA build the cuda lane). `seen` defaults to gpu_seen."""
+    if backend not in GPU_LANES:
+        return None
+    found = (seen or gpu_seen)()
+    if found is None:
+        return (f"--backend {backend}: torch sees no GPU here (torch.cuda.is_available() is false); "
+                "use --backend cpu, or auto")
+    if found != backend:
+        build = "a ROCm" if found == "hip" else "a CUDA"
+        return f"--backend {backend}: this torch is {build} build, which drives the {found} lane; use --backend {found}, or auto"
+    return None
+
+
 def architecture_of(model_dir: Path) -> str | None:
     """config.json's model_type of a model directory (None when it has none)."""
     try:

@@ -64,6 +64,9 @@ def load_trace(path: str | Path) -> Trace:
                 if not isinstance(line.get(key), (int, float)):
                     raise TraceError(f"{path}:{n}: {key} is missing")
             reqs.append(line)
+    if not header:  # an empty file, or JSON lines of something else
+        raise TraceError(f'{path}: not a caldrix trace: no header line ({{"trace": "caldrix", ...}}, '
+                         "as GET /debug/trace exports)")
     reqs.sort(key=lambda r: r["arrival"])
     return Trace(header, tuple(reqs))
 

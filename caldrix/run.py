@@ -27,6 +27,9 @@ def run_once(cfg: ServeConfig, prompt: str, *, chat: bool, max_tokens: int | Non
         ids = tuple(tok.render_chat([{"role": "user", "content": prompt}]))
     else:
         ids = tuple(tok.encode(prompt))
+    if not ids:
+        print("caldrix: the prompt is empty", file=sys.stderr)
+        return 2
     room = rt.context - len(ids)
     if room < 1:
         print(f"caldrix: the prompt is {len(ids)} tokens; the context holds {rt.context}", file=sys.stderr)

@@ -95,7 +95,10 @@ class Runtime:
         say(f"caldrix: max-batch {cfg.max_batch}, queue-depth {cfg.queue_depth}, prefill chunks of {cfg.prefill_chunk} {lanes}")
         scratch = " and a scratch slot" if getattr(self.engine, "pad_decode", False) else ""
         slots = f"{cfg.max_batch} slot" + ("s" if cfg.max_batch > 1 else "")
-        say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({slots}{scratch}, {self.context} rows each)")
+        if self.lane == "host":  # transformers' own cache, grown per request: nothing held ahead
+            say(f"caldrix: KV cache grown per request by transformers ({slots}, up to {self.context} rows each)")
+        else:
+            say(f"caldrix: KV cache {self.engine.kv_bytes / 2**20:.1f} MiB ({slots}{scratch}, {self.context} rows each)")
         if self.decider is not None:
             from caldrix.decider.config import startup_lines
 
@@ -151,6 +154,28 @@ def _quantize(cfg: ServeConfig, model_dir: Path, lane: str, dtype) -> bool:
     return True
 
 
+def memory_refusal(exc: BaseException, cfg: ServeConfig) -> str | None:
+    """A one-line refusal naming --context and --max-batch when loading ran out of memory (the
+    KV cache is the allocation that grows with them); None for any other error."""
+    text = str(exc)
+    if not isinstance(exc, MemoryError) and "allocate" not in text and "out of memory" not in text.lower():
+        return None
+    detail = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    context = cfg.context if cfg.context is not None else "(the model's)"
+    return (f"--context {context} with --max-batch {cfg.max_batch}: the model and its KV cache do not fit in "
+            f"memory ({detail}); lower --context or --max-batch")
+
+
+def context_notes(engine) -> tuple[str, ...]:
+    """A note when --context asks for more rows than the model's trained positions: allowed (as
+    llama-server allows it), but a reply that runs past them may degrade."""
+    trained = getattr(getattr(getattr(engine, "model", None), "cfg", None), "max_positions", None)
+    if isinstance(trained, int) and engine.context > trained:
+        return (f"--context {engine.context} is past the {trained} positions the model was trained for "
+                "(max_position_embeddings); text past them may degrade",)
+    return ()
+
+
 def load_runtime(cfg: ServeConfig) -> Runtime:
     from caldrix.decider import config as dconfig
     from caldrix.decider.plan import Decider
@@ -180,14 +205,20 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
         refused = budget_refusal(cfg.weight_budget, src.path, dtype.itemsize)
         if refused is not None:
             raise FlagError(refused)
-    if lane == "host":
-        from caldrix.host_engine import HostEngine
+    try:
+        if lane == "host":
+            from caldrix.host_engine import HostEngine
 
-        engine = HostEngine(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context)
-    else:
-        engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
-                             int4_from=_int4_source(cfg, src.path, lane, dtype), weight_budget=cfg.weight_budget,
-                             quantize=quantize)
+            engine = HostEngine(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context)
+        else:
+            engine = Engine.load(src.path, dtype=dtype, max_batch=cfg.max_batch, context=cfg.context, device=device,
+                                 int4_from=_int4_source(cfg, src.path, lane, dtype), weight_budget=cfg.weight_budget,
+                                 quantize=quantize)
+    except (MemoryError, RuntimeError) as exc:
+        refused = memory_refusal(exc, cfg)
+        if refused is None:
+            raise
+        raise FlagError(refused) from None
     if lane != "host":
         # the AMD lane's batched pick (http-api.md "Sampling"); the telemetry names it from this
         engine.picks_on_device = uses_device_pick(lane, cfg.max_batch, cfg.sampler)
@@ -200,7 +231,7 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
             cfg, lane, engine, lambda: identity.append(load_draft(cfg, lane, engine, tokenizer, src.path)))
     except DraftRefused as e:
         raise e.args[0] from None
-    notes = (*kernel_notes(lane), *notes)
+    notes = (*kernel_notes(lane), *context_notes(engine), *notes)
     # A step packs short prompts up to PREFILL_CHUNK tokens however long a chunk may be (a long
     # prompt's chunk still runs, alone): eight short prompts in one 512-token step waited for
     # each other, 8-stream TTFT p50 about 430 against 290 ms (bench/serve.py --quick, AMX Xeon).

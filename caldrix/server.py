@@ -15,9 +15,11 @@ requests have, and serve() returns so the process exits 0.
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import signal
+import socket
 import sys
 
 import trio
@@ -37,6 +39,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     from caldrix.runtime import load_runtime
     from caldrix.sched.threads import StepThread
 
+    check_bindable(cfg.host, cfg.port)  # before a load of half a minute, not after it
     # Loading runs torch's parallel kernels. On a thread that ends with it, the OpenMP team it
     # grows ends too, and the steps' own team is then the only one (sched/threads.py).
     with StepThread("caldrix load") as loader:
@@ -87,7 +90,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         nursery.start_soon(_wait_for_signal, stop)
         await nursery.start(rt.scheduler.run, submit_rx)
         binds = await nursery.start(http)
-        say(f"caldrix: listening on http://{cfg.host}:{cfg.port}/v1")
+        say(f"caldrix: listening on {base_url(cfg.host, cfg.port, binds)}/v1")
         task_status.started(binds)
     say("caldrix: stopped")
 
@@ -121,6 +124,35 @@ def finish_shielded(app):
             await app(scope, receive, send)
 
     return asgi
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raise ValueError (one line, naming --host or --port) when the address cannot be bound:
+    in use, or not this machine's. Binds a throwaway socket the way hypercorn will
+    (SO_REUSEADDR), so a port in TIME_WAIT still passes."""
+    if port == 0:
+        return  # any free port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: not an address this machine can bind ({exc.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            flag = "--port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+            raise ValueError(f"{flag}: cannot listen on {host} port {port}: {exc.strerror}") from None
+
+
+def base_url(host: str, port: int, binds=None) -> str:
+    """The URL clients reach: hypercorn's own bind (it knows the port 0 took), else host and
+    port, an IPv6 address in brackets."""
+    if binds and isinstance(binds[0], str) and binds[0].startswith("http"):
+        return binds[0].rstrip("/")
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
 
 
 def warn_if_exposed(host: str) -> None:

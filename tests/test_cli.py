@@ -30,6 +30,11 @@ def test_version_and_help():
     (["serve", "--top-p", "2"], "--top-p"),
     (["serve", "--dtype", "int3"], "--dtype"),
     (["run", "--temperature", "-1", "hi"], "--temperature"),
+    (["serve", "--seed", str(2**64)], "--seed"),  # past 64 bits /debug/requests could not write it
+    (["serve", "--port", "65536"], "--port"),
+    (["run", "hi", "--stop", ""], "--stop"),
+    (["run", "hi", "--stop", "x" * 257], "--stop"),
+    (["run", ""], "PROMPT"),
 ])
 def test_bad_flag_exits_2_naming_it(args, flag):
     out = caldrix(*args)
@@ -58,3 +63,82 @@ def test_run_streams_the_greedy_reply(smollm2_dir):
     got = caldrix("run", str(smollm2_dir), "-", "--max-tokens", "10", "--dtype", "float32", stdin=prompt)
     assert got.returncode == 0, got.stderr
     assert got.stdout == want + "\n"
+
+
+def test_an_empty_prompt_from_stdin_exits_2_at_once():
+    out = caldrix("run", "-", stdin="", timeout=60)  # it once loaded the model and then hung
+    assert out.returncode == 2 and "the prompt is empty" in out.stderr
+
+
+def test_a_gpu_backend_without_that_gpu_exits_2_before_loading(monkeypatch, capsys):
+    from caldrix import cli, lanes
+
+    for seen, backend, needle in ((None, "cuda", "torch sees no GPU here"), (None, "hip", "torch sees no GPU here"),
+                                  ("hip", "cuda", "this torch is a ROCm build, which drives the hip lane"),
+                                  ("cuda", "hip", "this torch is a CUDA build, which drives the cuda lane")):
+        monkeypatch.setattr(lanes, "gpu_seen", lambda: seen)
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["serve", "--backend", backend])
+        assert exc.value.code == 2 and f"--backend {backend}: {needle}" in capsys.readouterr().err
+    assert lanes.backend_refusal("cuda", lambda: "cuda") is None and lanes.backend_refusal("cpu", None) is None
+
+
+def test_run_ends_quietly_on_ctrl_c_and_on_a_closed_pipe(monkeypatch):
+    from caldrix import cli
+
+    def raising(exc):
+        def generate():
+            raise BaseExceptionGroup("trio", [exc])
+        return generate
+
+    assert cli._quietly(raising(KeyboardInterrupt())) == 130
+    with pytest.raises(BaseExceptionGroup):  # anything else is not swallowed
+        cli._quietly(raising(RuntimeError("boom")))
+    monkeypatch.setattr(cli.os, "dup2", lambda *a: None)  # keep the test's own stdout
+    assert cli._quietly(raising(BrokenPipeError())) == 141
+
+
+def test_run_into_a_closed_pipe_leaves_no_traceback(smollm2_dir):
+    proc = subprocess.run(f"{sys.executable} -m caldrix run {smollm2_dir} 'Count from one to fifty:' --max-tokens 200 "
+                          "--ignore-eos | head -c 5", shell=True, capture_output=True, text=True, timeout=300)
+    assert len(proc.stdout) == 5
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+
+
+def test_the_start_up_url_is_the_one_bound(monkeypatch):
+    import socket
+
+    from caldrix.server import base_url, check_bindable
+
+    assert base_url("::1", 8425) == "http://[::1]:8425" and base_url("127.0.0.1", 0, ["http://127.0.0.1:4242"]) \
+        == "http://127.0.0.1:4242"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--port: cannot listen on 127.0.0.1 port {port}"):
+            check_bindable("127.0.0.1", port)
+    check_bindable("127.0.0.1", 0)
+
+
+def test_a_kv_cache_that_does_not_fit_is_one_line_naming_the_flags():
+    from caldrix.config import ServeConfig
+    from caldrix.runtime import memory_refusal
+
+    cfg = ServeConfig(model=None, context=10**10, max_batch=1)
+    err = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 115200000000000 bytes.\nmore")
+    line = memory_refusal(err, cfg)
+    assert line.startswith("--context 10000000000 with --max-batch 1: the model and its KV cache do not fit")
+    assert "\n" not in line and memory_refusal(RuntimeError("shape mismatch"), cfg) is None
+
+
+def test_replay_refuses_a_file_that_is_not_a_trace(tmp_path):
+    from caldrix import replay
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    headless = tmp_path / "headless.jsonl"
+    headless.write_text('{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 2}\n')
+    for path in (empty, headless):
+        assert replay.main(str(path), "http://127.0.0.1:9") == 2
