@@ -151,6 +151,29 @@ def test_loop_streams_tokens_and_stops_at_eos_and_length():
     trio.run(main)
 
 
+def test_an_empty_prompt_is_answered_with_an_error_not_held():
+    """The routes refuse an empty prompt; one that reaches the scheduler anyway (caldrix run
+    once sent one) gets an error event instead of a slot it would never leave."""
+
+    async def main():
+        sched = Scheduler(FakeEngine(), Policy(SlotTable(1)), run_step=inline)
+        tx, rx = trio.open_memory_channel(4)
+        empty, empty_rx = make_sub([], rid="empty")
+        after, after_rx = make_sub([1, 2, 3], max_tokens=2, rid="after")
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sched.run, rx)
+                await tx.send(empty)
+                await tx.send(after)
+                got = [e async for e in empty_rx]
+                got_after = [e async for e in after_rx]
+                await tx.aclose()
+        assert [(e.finish, e.error) for e in got] == [(FinishReason.ERROR, "the prompt is empty")]
+        assert [e.token_id for e in got_after] == [4, 5]
+
+    trio.run(main)
+
+
 def test_closing_the_receive_end_frees_the_slot_within_one_step():
     async def main():
         engine = FakeEngine()

@@ -31,6 +31,7 @@ log = logging.getLogger("caldrix")
 T = TypeVar("T")
 
 SHUTTING_DOWN = "the server is shutting down"
+EMPTY_PROMPT = "the prompt is empty"
 
 
 class StepEngine(Protocol):
@@ -275,6 +276,9 @@ class Scheduler:
         if sub.events.statistics().open_receive_channels == 0:
             seq.finish = FinishReason.ABORT  # the client left while queued
             self._closed(seq)
+            return
+        if not sub.prompt_ids:  # routes refuse these; one let through would never leave its slot
+            self._answer_all([seq], FinishReason.ERROR, EMPTY_PROMPT)
             return
         if sub.lease is not None:
             self._leases[sub.lease.key] = sub.lease
