@@ -9,11 +9,12 @@ with 429 for as long as every slot stayed busy, with nobody waiting.
 
 So the depth is checked against `waiting()`, the handed-over submissions that the scheduler has
 not taken (`Submission.taken`) and whose route still listens. The channel itself has room for
-`ABANDONED_ROOM` more, for the abandoned ones; when those fill it too, the route answers 429 all
-the same, which bounds what abandoned requests can hold.
+`abandoned_room(depth)` more, for the abandoned ones; when those fill it too, the route answers
+429 all the same, which bounds what abandoned requests can hold.
 
-Ownership: routes alone call `put` and `waiting` (the list of handed-over submissions is theirs);
-the scheduler alone sets `taken`; the server closes `tx` when it stops.
+Ownership: the routes' side alone calls `put` and `waiting` (the list of handed-over submissions
+is its own; the /metrics gauge reads `waiting` too); the scheduler alone sets `taken`; the server
+closes `tx` when it stops.
 """
 
 from __future__ import annotations

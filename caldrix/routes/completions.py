@@ -1,8 +1,9 @@
 """POST /v1/completions and POST /v1/chat/completions, streamed or not.
 
 Flow: read the body (413 over the limit) -> validate into a typed request (400) -> tokenize (off
-the event loop when long: prompt_ids.py) and check the context (400) -> submit to the scheduler (429 when the queue is full, 503 when the
-engine has stopped) -> turn token events into text, JSON or SSE.
+the event loop when long: prompt_ids.py) and check the context (400) -> submit to the scheduler
+(429 when the queue is full, 503 when the engine has stopped) -> turn token events into text,
+JSON or SSE.
 """
 
 from __future__ import annotations
