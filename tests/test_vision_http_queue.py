@@ -22,6 +22,7 @@ import io
 import json
 import re
 import socket
+import threading
 import time
 
 import httpx
@@ -32,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from server_harness import ServerProcess
+from server_harness import ServerProcess, hold_slot
 from test_vision_http import CONTEXT, ask, chat, encoded, image_part, tiny, url  # noqa: F401 (tiny: a fixture)
 
 QUEUE_FULL = "the image decode queue is full"
@@ -124,6 +125,36 @@ def test_a_client_that_goes_away_while_waiting_frees_its_place(depth_one):
             assert f.result().usage.prompt_tokens > 8 * 4  # every <image> row counted
         assert newcomer.result().choices[0].finish_reason == "length"
         assert gauges(http) == (0, 0)
+
+
+def test_an_image_request_refused_at_submission_is_not_captured(tiny):  # noqa: F811
+    """http-api.md: an image request is never captured by the replay ring; that holds for one
+    refused with a 429 after its images were embedded (the request queue full), not only for
+    one that ran. The text request refused the same way is captured, so the ring is looked at."""
+    _, _, path = tiny
+    # A long context, so the text stream that holds the one slot runs for seconds on the tiny model.
+    with ServerProcess.start(path, "--dtype", "float32", "--context", "8192", "--served-name", "m",
+                             "--queue-depth", "0", "--max-batch", "1") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        stop = threading.Event()
+        holder = threading.Thread(target=hold_slot, args=(srv.url, "m", stop, 8000))
+        holder.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not re.search(r"^caldrix:num_requests_running\{.*\} 1\.0$", http.get("/metrics").text, re.M):
+                assert time.monotonic() < deadline, "the text stream never took the slot"
+                time.sleep(0.05)
+            image = http.post("/v1/chat/completions", json={
+                "model": "m", "max_tokens": 2,
+                "messages": ask([image_part(url("image/png", encoded("PNG", 16, 16, 5)), "low")])})
+            text = http.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2})
+        finally:
+            stop.set()
+            holder.join()
+        assert image.status_code == 429 and text.status_code == 429, (image.text, text.text)
+        statuses = [(r["route"], r["status"]) for r in http.get("/debug/requests").json()["data"]]
+        assert ("/v1/completions", 429) in statuses
+        assert ("/v1/chat/completions", 429) not in statuses, statuses
 
 
 # --- a text server --------------------------------------------------------------------------

@@ -96,10 +96,11 @@ def _route() -> str:
 
 
 def refuse(rid: str, gen: GenRequest, status: int, *, stream: bool) -> None:
-    """Record a request refused at submission (429 queue full, 503 engine unavailable)."""
+    """Record a request refused at submission (429 queue full, 503 engine unavailable). An image
+    request (one with embeddings) is logged and counted but never enters the replay ring."""
     g.caldrix_request_id = rid
     _telemetry().refused(rid, route=_route(), status=status, prompt_ids=gen.prompt_ids, max_tokens=gen.max_tokens,
-                         sampling=gen.sampling, stream=stream)
+                         sampling=gen.sampling, stream=stream, captured=not gen.embeds)
 
 
 def tracked(rid: str, pieces: AsyncIterator[Piece], *, stream: bool) -> AsyncIterator[Piece]:
