@@ -16,7 +16,7 @@ from caldrix.runtime import Runtime
 log = logging.getLogger("caldrix")
 
 MAX_BODY = 4 * 2**20  # 4 MiB: a larger body is a 413, refused before it is read whole
-VISION_MAX_BODY = 32 * 2**20  # a vision server's, on every route (http-api.md: eight 8 MiB images fit)
+VISION_MAX_BODY = 32 * 2**20  # a vision server's, on every route (http-api.md); about 24 MiB of images in base64
 
 
 def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:

@@ -135,9 +135,72 @@ def test_side_limit_read_from_the_header(w, h, monkeypatch):
     # Nothing may be decoded: load() of any image fails the test.
     monkeypatch.setattr(Image.Image, "load", lambda self: pytest.fail("pixels were decoded"))
     r = refusal(read_image_part(part(data_url(png_header_only(w, h), "image/png")), WHERE))
-    assert "each side may be at most 4096 pixels" in r.message
-    if max(w, h) < 8000:
-        assert r.message.startswith(f"the image is {w}x{h} pixels")
+    assert r.message == f"the image is {w}x{h} pixels; each side may be at most 4096 pixels"
+
+
+def jpeg_claiming(width: int, height: int) -> bytes:
+    """A small JPEG whose frame header (SOF0) is rewritten to claim width x height."""
+    data = bytearray(encode(Image.new("RGB", (16, 16)), "JPEG"))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5:sof + 7] = height.to_bytes(2, "big")
+    data[sof + 7:sof + 9] = width.to_bytes(2, "big")
+    return bytes(data)
+
+
+def test_a_header_past_pillows_own_guard_is_refused_with_its_real_size(monkeypatch):
+    # 7000 x 5000 is past twice 4096 x 4096 pixels, where Image.open raises before it gives a size.
+    data = jpeg_claiming(7000, 5000)
+    monkeypatch.setattr(Image.Image, "load", lambda self: pytest.fail("pixels were decoded"))
+    r = refusal(read_image_part(part(data_url(data, "image/jpeg")), WHERE))
+    assert r.message == "the image is 7000x5000 pixels; each side may be at most 4096 pixels"
+
+
+def test_a_png_header_is_read_without_pillow(monkeypatch):
+    """Pillow's PNG open inflates every text chunk before the pixels (a megabyte each, on the
+    event loop); the size comes from IHDR alone."""
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow opened the PNG"))
+    monkeypatch.setitem(Image.OPEN, "PNG", (lambda *a, **k: pytest.fail("Pillow read the PNG"), None))
+    got = read_image_part(part(data_url(png_header_only(300, 20), "image/png")), WHERE)
+    assert isinstance(got, ImagePart) and (got.width, got.height) == (300, 20)
+
+
+def progressive_with_scans(extra: int) -> bytes:
+    """A progressive JPEG whose last scan is repeated `extra` more times: valid, and each
+    repeat costs a decoding pass over the whole image."""
+    data = encode(Image.new("L", (64, 64), 128), "JPEG", progressive=True)
+    sos = data.rindex(b"\xff\xda")
+    eoi = data.rindex(b"\xff\xd9")
+    return data[:eoi] + data[sos:eoi] * extra + data[eoi:]
+
+
+def test_a_jpeg_with_too_many_scans_is_refused_before_decoding():
+    ok = progressive_with_scans(0)
+    scans = ok.count(b"\xff\xda")
+    assert 1 < scans <= images.MAX_JPEG_SCANS
+    got = read_image_part(part(data_url(ok, "image/jpeg")), WHERE)
+    assert isinstance(got, ImagePart) and not isinstance(decode_image(got), images.DecodeFailure)
+    bomb = progressive_with_scans(images.MAX_JPEG_SCANS + 1 - scans)
+    Image.open(io.BytesIO(bomb)).load()  # still a valid JPEG: only the count refuses it
+    r = refusal(read_image_part(part(data_url(bomb, "image/jpeg")), WHERE))
+    assert r.message == f"the JPEG holds {images.MAX_JPEG_SCANS + 1} scans; this server decodes at most 100"
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("fmt, mime", [("JPEG", "image/jpeg"), ("WEBP", "image/webp")])
+def test_exif_orientation_is_applied_as_transformers_load_image_applies_it(orientation, fmt, mime):
+    from PIL import ImageOps
+    from transformers.image_utils import load_image
+
+    exif = Image.Exif()
+    exif[images.EXIF_ORIENTATION] = orientation
+    im = Image.effect_noise((48, 20), 60).convert("RGB")
+    data = encode(im, fmt, exif=exif.tobytes(), quality=95)
+    got = read_image_part(part(data_url(data, mime)), WHERE)
+    want = load_image(data_url(data, mime))  # what the model's processor is given for this URL
+    assert isinstance(got, ImagePart) and got.orientation == orientation
+    assert (got.width, got.height) == want.size == ImageOps.exif_transpose(Image.open(io.BytesIO(data))).size
+    decoded = decode_image(got)
+    assert decoded.size == want.size and decoded.convert("RGB").tobytes() == want.convert("RGB").tobytes()
 
 
 def test_side_limit_accepts_4096():

@@ -54,6 +54,17 @@ def test_parts_keep_their_order():
     assert m.content == "a\nb"
 
 
+def test_text_parts_side_by_side_are_joined_with_a_newline():
+    """http-api.md: a message's text parts are joined with a newline before the template, on a
+    vision model too; an image between two text parts keeps them apart. Joined, the halves of a
+    placeholder spell none."""
+    req = chat([{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}, img(),
+                {"type": "text", "text": "<ima"}, {"type": "text", "text": "ge>"}])
+    (m,) = req.messages
+    assert m.template_content() == [{"type": "text", "text": "Hello\nWorld"}, {"type": "image"},
+                                    {"type": "text", "text": "<ima\nge>"}]
+
+
 def test_text_model_refuses_image_parts():
     e = refused([{"type": "text", "text": "hi"}, img()], ctx=TEXT)
     assert (e.message, e.param) == ("this model takes text only", "messages[0].content[1]")

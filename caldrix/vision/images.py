@@ -13,8 +13,14 @@ The rules, in the order they are checked:
   other type are refused;
 - 8 MiB at most for the encoded image, checked from the base64 length before it is decoded;
 - the bytes start with the named type's signature;
-- the header (read by Pillow's lazy open, which reads no pixel data) gives at most 4096 pixels
-  on each side.
+- the header gives at most 4096 pixels on each side: a PNG's IHDR chunk read directly (Pillow's
+  open would inflate every compressed text chunk before it, a megabyte each, on the event loop),
+  a JPEG's or WebP's by Pillow's lazy open, which reads no pixel data;
+- a JPEG holds at most MAX_JPEG_SCANS scans: a progressive JPEG can repeat a tiny scan
+  thousands of times, each a pass over the whole image, and held a decode slot for minutes.
+An image's EXIF orientation (JPEG and WebP) is applied, as transformers' `load_image` applies it
+to an image given by URL: width and height are the image as displayed, and the pixels are turned
+to match when decoded.
 The count (8 images a request) is `check_image_count`, for the caller to run over the whole
 request before reading any part.
 """
@@ -34,6 +40,12 @@ from PIL import Image
 MAX_IMAGES = 8  # a request
 MAX_SIDE = 4096  # pixels, on each side
 MAX_ENCODED_BYTES = 8 * 1024 * 1024  # the image file, after base64
+MAX_JPEG_SCANS = 100  # progressive encoders write about 10; each scan decodes the whole image
+EXIF_ORIENTATION = 0x0112
+# EXIF orientation -> the transpose that shows the image upright (Pillow's ImageOps.exif_transpose)
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
 DETAILS = ("auto", "high", "low")
 
 # Pillow checks every image it opens against MAX_IMAGE_PIXELS (a warning past it, an error past
@@ -68,8 +80,9 @@ class ImagePart:
     """An image part that passed every rule that can be checked without decoding it.
 
     `data` is the encoded file (PNG, JPEG or WebP bytes); `mime` its canonical type;
-    `width` and `height` come from its header; `detail` is "auto", "high" or "low" (absent
-    reads as "auto"). `where` is the part's path, for a refusal at decode time."""
+    `width` and `height` come from its header, as displayed (after its EXIF `orientation`, 1
+    for none); `detail` is "auto", "high" or "low" (absent reads as "auto"). `where` is the
+    part's path, for a refusal at decode time."""
 
     where: str
     mime: str
@@ -77,6 +90,7 @@ class ImagePart:
     width: int
     height: int
     detail: str
+    orientation: int = 1
 
 
 def check_image_count(count: int) -> ImageRefusal | None:
@@ -159,16 +173,23 @@ def read_image_part(part: dict[str, Any], where: str) -> ImagePart | ImageRefusa
         what = f"{_NAMES[actual]} data" if actual else "not an image this server reads"
         return ImageRefusal(f"the image is named {mime} but its bytes do not start with the {name} "
                             f"signature ({what})", where)
-    size = header_size(data, pil_format)
-    if size is None:
+    header = read_header(data, pil_format)
+    if header is None:
         return ImageRefusal(f"the {name} header cannot be read; the image is damaged or cut short", where)
-    width, height = size
+    width, height, orientation = header
     if width > MAX_SIDE or height > MAX_SIDE:
         return ImageRefusal(f"the image is {width}x{height} pixels; each side may be at most "
                             f"{MAX_SIDE} pixels", where)
     if width < 1 or height < 1:
         return ImageRefusal(f"the image is {width}x{height} pixels; it holds no pixels", where)
-    return ImagePart(where=where, mime=canonical, data=data, width=width, height=height, detail=detail)
+    if pil_format == "JPEG":
+        scans = data.count(b"\xff\xda")  # SOS markers: 0xFF in entropy-coded data is stuffed, never FF DA
+        if scans > MAX_JPEG_SCANS:
+            return ImageRefusal(f"the JPEG holds {scans} scans; this server decodes at most {MAX_JPEG_SCANS}", where)
+    if orientation in (5, 6, 7, 8):  # turned a quarter: displayed with its sides swapped
+        width, height = height, width
+    return ImagePart(where=where, mime=canonical, data=data, width=width, height=height, detail=detail,
+                     orientation=orientation)
 
 
 _NAMES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WebP", "image/gif": "GIF",
@@ -192,14 +213,19 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
-def header_size(data: bytes, pil_format: str) -> tuple[int, int] | None:
-    """(width, height) from the header alone: Pillow's open parses the header and defers the
-    pixels to load(), which this never calls. Only the named format's reader is tried."""
+def read_header(data: bytes, pil_format: str) -> tuple[int, int, int] | None:
+    """(width, height, EXIF orientation) as stored, from the header alone; None when it cannot
+    be read. Only the named format's reader is tried, and no pixel is decoded."""
+    if pil_format == "PNG":  # the signature, then IHDR first: length, type, width, height (big-endian)
+        if len(data) < 24 or data[12:16] != b"IHDR":
+            return None
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"), 1
     try:
-        with Image.open(io.BytesIO(data), formats=[pil_format]) as im:
-            return im.size
-    except Image.DecompressionBombError:
-        return (MAX_SIDE + 1, MAX_SIDE + 1)  # past the guard: over the side limit, whatever it is
+        # The format's own reader, not Image.open: Image.open's decompression-bomb guard raises
+        # for a header past twice 4096 x 4096 pixels, and the refusal names the real size.
+        with Image.OPEN[pil_format][0](io.BytesIO(data), "") as im:
+            orientation = im.getexif().get(EXIF_ORIENTATION, 1)
+            return im.size[0], im.size[1], orientation if orientation in _UPRIGHT else 1
     except Exception:  # noqa: BLE001 - any reader failure means the header is unreadable
         return None
 
@@ -220,10 +246,11 @@ def decode_image(part: ImagePart) -> Image.Image | DecodeFailure:
     _, pil_format, name = _TYPES[part.mime]
     try:
         im = Image.open(io.BytesIO(part.data), formats=[pil_format])
-        if im.size != (part.width, part.height):
+        turned = part.orientation in (5, 6, 7, 8)
+        if im.size != ((part.height, part.width) if turned else (part.width, part.height)):
             return DecodeFailure(f"the {name} image changed size between reads", part.where)
         im.load()
-        return im
+        return im.transpose(_UPRIGHT[part.orientation]) if part.orientation in _UPRIGHT else im
     except Image.DecompressionBombError:
         return DecodeFailure(f"the image is larger than {MAX_SIDE}x{MAX_SIDE} pixels", part.where)
     except Exception as e:  # noqa: BLE001 - the client is told; the server goes on

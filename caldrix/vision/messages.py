@@ -7,9 +7,12 @@ an array of parts here (`vision_message`), and the count of image parts in the w
 place.
 
 As the model's chat template expects it: a string content is one text part, parts keep the
-order they were sent in and are not joined, and `template_content` gives the template's shape,
+order they were sent in, and `template_content` gives the template's shape,
 {"type": "text", "text": ...} and {"type": "image"} (the template writes its <image>
-placeholder there, which caldrix/vision/preprocess.py's `layout_prompt` expands).
+placeholder there, which caldrix/vision/preprocess.py's `layout_prompt` expands). Text parts
+next to each other are joined with a newline first, as http-api.md joins a message's text parts
+on every model (SmolVLM's own template would run them together); an image between two text parts
+keeps them apart.
 """
 
 from __future__ import annotations
@@ -65,5 +68,8 @@ def vision_message(role: str, content: list[Any], path: str,
                 return got
             parts.append(got)
         else:
-            parts.append(TextPart(read_text(part, where)))
+            text = read_text(part, where)
+            if parts and isinstance(parts[-1], TextPart):
+                text = parts.pop().text + "\n" + text
+            parts.append(TextPart(text))
     return VisionMessage(role=role, parts=tuple(parts))
