@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
@@ -134,4 +134,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The text format 0.0.4 that the body is written in (every name here is a classic one), pinned:
+# prometheus_client's CONTENT_TYPE_LATEST says version=1.0.0 from 0.22 on, so the header would
+# change with the installed version while the body does not.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -292,7 +292,7 @@ def newest(http, path: str, n: int, after: set[str] = frozenset(), timeout: floa
 
 def test_metrics_counters_move_with_requests(http, model):
     resp = http.get("/metrics")
-    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    assert resp.status_code == 200 and resp.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"  # as observability.md names it
     before = samples(resp.text)
     prompt = [random.Random(1).randrange(1000, 30000) for _ in range(40)]
     for _ in range(2):  # the second reuses the rows the first left in its slot
