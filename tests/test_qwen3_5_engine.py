@@ -146,10 +146,11 @@ def test_host_lane_equals_the_cpu_lane(model):
     assert ours == [hf_greedy(ref, p, 20) for p in prompts]
 
 
-@pytest.mark.parametrize("backend, seen", [("cuda", None), ("hip", None), ("auto", "cuda"), ("auto", "hip")])
+@pytest.mark.parametrize("backend, seen", [("cuda", "cuda"), ("hip", "hip"), ("auto", "cuda"), ("auto", "hip")])
 def test_gpu_lanes_refuse_qwen35_at_start(model, tmp_path, monkeypatch, capsys, backend, seen):
-    """`caldrix run DIR --backend cuda|hip` (or auto where a GPU is seen, simulated) on a Qwen3.5
-    directory of either config shape exits 2 naming the model, before any weight is read."""
+    """`caldrix run DIR --backend cuda|hip` (or auto) where torch sees that GPU (simulated) on a
+    Qwen3.5 directory of either config shape exits 2 naming the model, before any weight is
+    read. (Without the GPU an explicit backend is refused first, for the machine: test_cli.py.)"""
     import json
 
     from caldrix import cli, lanes
