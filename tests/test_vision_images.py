@@ -262,3 +262,17 @@ def test_any_part_gives_a_record_never_an_exception(extra, url):
     assert isinstance(out, (ImagePart, ImageRefusal))
     if isinstance(out, ImageRefusal):
         assert out.param == WHERE and out.message
+
+
+def test_headers_are_read_in_a_process_that_has_opened_no_image(tmp_path):
+    """Pillow registers its format readers on first use; the header read must not depend on an
+    earlier Image.open in the process (a fresh server's first request is exactly that)."""
+    import subprocess
+    import sys
+
+    for fmt in ("JPEG", "WEBP"):
+        (tmp_path / fmt).write_bytes(encode(Image.new("RGB", (20, 10)), fmt))
+    code = ("import sys; from caldrix.vision import images; "
+            "print([images.read_header(open(sys.argv[1] + '/' + f, 'rb').read(), f) for f in ('JPEG', 'WEBP')])")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[(20, 10, 1), (20, 10, 1)]", out.stderr

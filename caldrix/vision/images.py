@@ -220,6 +220,8 @@ def read_header(data: bytes, pil_format: str) -> tuple[int, int, int] | None:
         if len(data) < 24 or data[12:16] != b"IHDR":
             return None
         return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"), 1
+    if pil_format not in Image.OPEN:
+        Image.init()  # Pillow registers its format readers on first use (Image.open does this)
     try:
         # The format's own reader, not Image.open: Image.open's decompression-bomb guard raises
         # for a header past twice 4096 x 4096 pixels, and the refusal names the real size.
