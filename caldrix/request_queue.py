@@ -52,10 +52,17 @@ class RequestQueue:
         return cls(depth, tx), rx
 
     def waiting(self) -> int:
-        """Requests waiting for a slot whose clients have not left."""
+        """Requests waiting for a slot whose clients have not left.
+
+        The live submissions not yet marked taken, but never more than the channel holds: the
+        scheduler's `await receive()` takes a submission off the channel and yields once before
+        it can set `taken`, and a route that submits in that moment must not count it (a
+        /v1/systemone request submitting its next prompt just as a waiting completion is taken
+        was refused with 429 so). Exact except while such a moment meets an abandoned
+        submission still in the channel: then one too many, for that moment."""
         self._handed = [s for s in self._handed
                         if not s.taken.is_set() and s.events.statistics().open_receive_channels > 0]
-        return len(self._handed)
+        return min(len(self._handed), self.tx.statistics().current_buffer_used)
 
     def put(self, sub: Submission) -> None:
         """Hand `sub` to the scheduler without waiting. Raises QueueFull when `depth` requests

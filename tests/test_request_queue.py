@@ -88,3 +88,25 @@ def test_depth_0_takes_a_request_only_while_the_scheduler_waits_for_one():
         assert [s.request_id for s in got] == ["r2"]
 
     trio.run(main)
+
+
+def test_a_submission_taken_off_the_channel_stops_counting_before_it_is_marked():
+    """The scheduler's receive() takes a submission off the channel and yields once before it
+    sets `taken`; a route submitting in that moment must find the place free."""
+
+    async def main():
+        queue, rx = RequestQueue.open(1)
+        first, _ = submission(1)
+        queue.put(first)
+        got = []
+        async with trio.open_nursery() as nursery:
+            async def scheduler():
+                got.append(await rx.receive())  # `taken` would be set after this returns
+
+            nursery.start_soon(scheduler)
+            await trio.testing.wait_all_tasks_blocked()
+        assert got == [first] and not first.taken.is_set()
+        assert queue.waiting() == 0
+        queue.put(submission(2)[0])  # the one place is free
+
+    trio.run(main)
