@@ -142,6 +142,26 @@ def test_a_partly_fetched_repo_says_to_fetch_again(hf_cache, tmp_path):
         resolve("smollm2-135m")
 
 
+def test_a_snapshot_cut_short_before_its_config_is_partial_not_absent(hf_cache, tmp_path, capsys):
+    half = tmp_path / "noconfig"
+    half.mkdir()
+    (half / "tokenizer.json").write_text("{}")
+    (half / "model.safetensors").write_bytes(b"\0")
+    cache_snapshot(hf_cache, "HuggingFaceTB/SmolVLM-256M-Instruct", half)
+    with pytest.raises(ModelNotFound, match=r"only partly .*\(no config.json\).*caldrix fetch smolvlm-256m` again"):
+        resolve("smolvlm-256m")
+    commands.list_models()
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("smolvlm-256m"))
+    assert "partly" in row
+
+
+def test_a_stray_file_named_like_an_alias_does_not_hide_it(smollm2_dir, hf_cache, tmp_path, monkeypatch):
+    cache_snapshot(hf_cache, "HuggingFaceTB/SmolLM2-135M", smollm2_dir)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2-135m").write_text("notes")
+    assert resolve("smollm2-135m").served_name == "HuggingFaceTB/SmolLM2-135M"
+
+
 @pytest.mark.parametrize(
     "name, message",
     [

@@ -62,7 +62,9 @@ def resolve(model: str | None = None, *, progress: bool = True) -> ModelSource:
     # name is meant (a stray `Qwen/Qwen3-0.6B` folder in the working directory, say).
     if path.is_dir() and ((path / "config.json").is_file() or not by_name):
         return _directory(path)
-    if path.is_file():
+    if path.is_file() and (path.suffix.lower() == ".gguf" or not by_name):
+        # A file that is not GGUF is form 2's mistake only when MODEL cannot be a name: a stray
+        # file called `qwen3-0.6b` in the working directory does not hide the alias.
         if path.suffix.lower() == ".gguf":
             return _gguf_file(path, progress)
         raise ModelNotFound(f"{model} is a file, but not a .gguf file. {_FORMS}")
@@ -106,11 +108,20 @@ def embedded_gguf() -> Path:
 
 
 def cached_snapshot(repo_id: str) -> Path | None:
-    """The snapshot of `repo_id`'s main revision in the local Hugging Face cache, or None."""
-    from huggingface_hub import try_to_load_from_cache
+    """The snapshot of `repo_id`'s main revision in the local Hugging Face cache, or None. A
+    snapshot missing config.json is still found (through refs/main), so a download cut short
+    reads as partial, not absent."""
+    from huggingface_hub import constants, try_to_load_from_cache
 
     hit = try_to_load_from_cache(repo_id, "config.json")
-    return Path(hit).parent if isinstance(hit, str) else None  # else None or "known missing"
+    if isinstance(hit, str):  # else None or "known missing"
+        return Path(hit).parent
+    repo = Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))
+    try:
+        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    return snapshot if snapshot.is_dir() else None
 
 
 def missing_parts(path: Path) -> list[str]:
