@@ -58,7 +58,11 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
             resp.headers["Connection"] = "close"
             return resp
         messages = {404: "no such route", 405: "method not allowed on this route"}
-        return error_response(ApiError(status, messages.get(status, err.description or err.name), None))
+        resp = error_response(ApiError(status, messages.get(status, err.description or err.name), None))
+        allow = dict(err.get_headers()).get("Allow")
+        if status == 405 and allow:  # RFC 9110: a 405 names the methods the route takes
+            resp.headers["Allow"] = allow
+        return resp
 
     @app.errorhandler(Exception)
     async def internal_error(err: Exception):

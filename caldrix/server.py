@@ -75,21 +75,24 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     gc.collect()
     gc.freeze()
 
-    async def http(task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with queue.tx:  # closed once hypercorn is done: the scheduler then drains and ends
-            async with trio.open_nursery() as watchdog:
-                watchdog.start_soon(_cut_before_deadline, stop, rt.scheduler, cfg.graceful_timeout)
-                await hypercorn_serve(finish_shielded(app), hc, shutdown_trigger=stop.wait,
-                                      task_status=task_status, mode="asgi")
-                watchdog.cancel_scope.cancel()
+    async def http(signals: trio.CancelScope, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with queue.tx:  # closed once hypercorn is done: the scheduler then drains and ends
+                async with trio.open_nursery() as watchdog:
+                    watchdog.start_soon(_cut_before_deadline, stop, rt.scheduler, cfg.graceful_timeout)
+                    await hypercorn_serve(finish_shielded(app), hc, shutdown_trigger=stop.wait,
+                                          task_status=task_status, mode="asgi")
+                    watchdog.cancel_scope.cancel()
+        finally:
+            signals.cancel()  # the server is down: stop catching signals, so the nursery can end
         vision = app.extensions.get("caldrix.vision")
         if vision is not None:  # every handler has ended, so nothing runs on its threads
             vision.limiter.close()
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_wait_for_signal, stop)
+        signals = await nursery.start(_wait_for_signal, stop, rt.scheduler)
         await nursery.start(rt.scheduler.run, submit_rx)
-        binds = await nursery.start(http)
+        binds = await nursery.start(http, signals)
         say(f"caldrix: listening on {base_url(cfg.host, cfg.port, binds)}/v1")
         task_status.started(binds)
     say("caldrix: stopped")
@@ -176,9 +179,20 @@ async def _cut_before_deadline(stop: trio.Event, scheduler, grace: float) -> Non
     scheduler.cutoff.set()
 
 
-async def _wait_for_signal(stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+async def _wait_for_signal(stop: trio.Event, scheduler, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The first SIGINT or SIGTERM starts the graceful stop (`stop`); a second one ends every
+    running and queued request now, cleanly (an SSE error event and [DONE], or a 503: the
+    scheduler's cutoff), as llama-server and uvicorn stop at once on a second Ctrl-C. Signals
+    stay caught until the caller cancels the scope handed to task_status, once the server is
+    down: left to the default handlers, a second SIGTERM killed the process mid-reply and a
+    second SIGINT raised KeyboardInterrupt through every task."""
+    with trio.CancelScope() as scope, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started(scope)
         async for sig in signals:
-            say(f"caldrix: {signal.Signals(sig).name} received, finishing running requests")
-            stop.set()
-            return
+            name = signal.Signals(sig).name
+            if not stop.is_set():
+                say(f"caldrix: {name} received, finishing running requests")
+                stop.set()
+            elif not scheduler.cutoff.is_set():
+                say(f"caldrix: {name} received again, ending every running request now")
+                scheduler.cutoff.set()

@@ -199,6 +199,16 @@ def test_models_list_gives_the_directory_name(oai, model):
     assert models.data[0].object == "model"
 
 
+def test_models_retrieve_gives_the_served_model_and_a_404_for_others(oai, http, model):
+    """OpenAI's GET /v1/models/{id}, as the official client's models.retrieve calls it."""
+    got = oai.models.retrieve(model)
+    assert (got.id, got.object) == (model, "model")
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai.models.retrieve("org/not-served")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    assert http.get("/v1/models/org%2Fnot-served").status_code == 404
+
+
 def test_chat_non_stream(oai, model):
     r = oai.chat.completions.create(
         model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
@@ -681,8 +691,10 @@ def test_body_just_under_4_mib_is_read(http, model):
 def test_unknown_route_is_404_and_wrong_method_405(http):
     assert_error(http.get("/v1/nope"), 404, None)
     assert_error(http.post("/v1/embeddings", json={}), 404, None)
-    err = assert_error(http.get("/v1/completions"), 405, None)
+    wrong = http.get("/v1/completions")
+    err = assert_error(wrong, 405, None)
     assert "method" in err["message"]
+    assert "POST" in wrong.headers["allow"]  # RFC 9110: a 405 names the methods the route takes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -146,3 +146,28 @@ def test_requests_in_flight_at_sigterm_finish_then_it_exits_at_once(smollm2_dir:
         other.close()
     finally:
         srv.stop()
+
+
+def test_a_second_signal_ends_running_requests_now_cleanly(smollm2_dir: Path):
+    """The first SIGTERM waits for running requests (30 s of grace here); a second one ends them
+    at once with the "shutting down" error event and [DONE], and the process exits 0. Before,
+    the second SIGTERM killed the process mid-reply (and a second SIGINT raised a traceback)."""
+    srv = start(smollm2_dir, "twice")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            body = {"model": "twice", "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                srv.terminate()
+                time.sleep(1.0)
+                assert srv.alive  # still finishing the stream
+                since = time.monotonic()
+                srv.terminate()
+                rest = [line for line in lines if line.startswith("data:")]
+        took = wait_exit(srv, since)
+    finally:
+        srv.stop()
+    assert rest[-1] == "data: [DONE]" and "the server is shutting down" in rest[-2], rest[-3:]
+    assert took < STOP_WITHIN and srv.wait(5) == 0, srv.stderr
+    assert "SIGTERM received again, ending every running request now" in srv.stderr

@@ -24,7 +24,21 @@ async def healthz():
     return Response("ok", mimetype="text/plain")
 
 
+def _model_object(rt) -> dict:
+    return {"id": rt.served_name, "object": "model", "owned_by": "caldrix"}
+
+
 @bp.get("/v1/models")
 async def models():
+    return json_response({"data": [_model_object(runtime())], "object": "list"})
+
+
+@bp.get("/v1/models/<path:model>")
+async def model(model: str):
+    """OpenAI's retrieve-model route (`client.models.retrieve`): the served model, or a 404 in
+    OpenAI's words for any other name. A repo id's slash may come as it is or as %2F."""
     rt = runtime()
-    return json_response({"data": [{"id": rt.served_name, "object": "model", "owned_by": "caldrix"}], "object": "list"})
+    if model != rt.served_name:
+        return json_response({"error": {"message": f"The model '{model}' does not exist", "type": "invalid_request_error",
+                                        "param": "model", "code": "model_not_found"}}, 404)
+    return json_response(_model_object(rt))
