@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from caldrix.routes import completions, debug, health, openapi, prompt_ids, systemone
+from caldrix.routes import completions, debug, health, openapi, origins, prompt_ids, systemone
 from caldrix.routes.errors import ApiError
 from caldrix.routes.responses import error_response, json_response  # noqa: F401 -- json_response: re-exported
 from caldrix.request_queue import RequestQueue
@@ -42,6 +43,29 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
     app.register_blueprint(debug.bp)  # /metrics, /debug/*, and the response counter
     app.register_blueprint(systemone.bp)  # /v1/systemone
     app.register_blueprint(openapi.bp)  # /openapi.json
+
+    # Browser origins (routes/origins.py): loopback pages and --allowed-origins; others a 403.
+    extra_origins = tuple(getattr(getattr(rt, "cfg", None), "allowed_origins", ()) or ())
+
+    @app.before_request
+    async def check_origin():
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return None
+        if not origins.allowed(origin, extra_origins):
+            return error_response(origins.refusal(origin))
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            asked = request.headers.get("Access-Control-Request-Headers")
+            return Response("", 204, headers=origins.preflight_headers(origin, asked))
+        return None
+
+    @app.after_request
+    async def name_the_origin(resp):
+        origin = request.headers.get("Origin")
+        if origin is not None and origins.allowed(origin, extra_origins):
+            resp.headers["Access-Control-Allow-Origin"] = origin
+            resp.headers["Vary"] = "Origin"
+        return resp
 
     @app.errorhandler(ApiError)
     async def api_error(err: ApiError):

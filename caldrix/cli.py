@@ -59,6 +59,14 @@ def _seed(text: str) -> int:
     return value
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    found = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for o in found:
+        if o != "*" and not o.startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(f"each origin is * or starts with http:// or https://, got {o!r}")
+    return found
+
+
 def _ngram(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition(":")
     try:
@@ -174,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--graceful-timeout", type=_float_in(lambda v: v >= 0, "a number of seconds >= 0"), default=30.0,
                        help="on SIGINT/SIGTERM, seconds running requests get to finish (default 30)")
     serve.add_argument("--replay-ring", type=_int_at_least(1), default=256, help="recent requests kept for /debug/requests (default 256)")
+    serve.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
+                       help="browser origins allowed to call the API besides pages served from this machine: a comma list "
+                            "such as https://app.example.com, or * for any (default: loopback pages only)")
     _engine_flags(serve)
 
     run = sub.add_parser("run", help="generate once and stream the text to stdout",
@@ -235,6 +246,7 @@ def config_from(args: argparse.Namespace, model: str | None) -> ServeConfig:
         speculation_memory=args.speculation_memory,
         sampler=args.sampler,
         weight_budget=args.weight_budget,
+        allowed_origins=getattr(args, "allowed_origins", ()),
     )
 
 

@@ -41,3 +41,5 @@ class ServeConfig:
     # The GPU lanes (lanes.py): where sampled tokens are picked, and --weight-budget in bytes.
     sampler: str = "device"  # device | host; the device pick runs only where lanes.uses_device_pick
     weight_budget: int | None = None
+    # Browser origins allowed besides this machine's own pages (routes/origins.py); "*": any.
+    allowed_origins: tuple[str, ...] = ()

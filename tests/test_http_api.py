@@ -688,6 +688,39 @@ def test_body_just_under_4_mib_is_read(http, model):
     assert_error(post_raw(http, "/v1/completions", raw), 400, "max_tokens")
 
 
+def test_browser_origins_loopback_pages_yes_others_no(http, model):
+    """routes/origins.py, as Ollama does it: a page from this machine may call the API (its
+    preflight answered, its responses naming it), any other page is a 403 before the route
+    runs, a text/plain "simple" POST included; clients that send no Origin are untouched."""
+    body = {"model": model, "prompt": "hi", "max_tokens": 1}
+    local = "http://localhost:3000"
+    pre = http.options("/v1/chat/completions", headers={"Origin": local, "Access-Control-Request-Method": "POST",
+                                                        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == local
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert pre.headers["access-control-allow-headers"] == "authorization, content-type"
+    ok = http.post("/v1/completions", json=body, headers={"Origin": "http://127.0.0.1:8080"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://127.0.0.1:8080"
+    for foreign in ("https://evil.example", "null", "http://localhost.evil.example"):
+        r = http.post("/v1/completions", content=json.dumps(body), headers={"Origin": foreign, "Content-Type": "text/plain"})
+        err = assert_error(r, 403, None)
+        assert "not allowed" in err["message"] and "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in http.post("/v1/completions", json=body).headers
+
+
+def test_allowed_origins_flag():
+    from caldrix import cli
+    from caldrix.routes import origins
+
+    args = cli.build_parser().parse_args(["serve", "--allowed-origins", "https://app.example.com/, http://x:1"])
+    assert args.allowed_origins == ("https://app.example.com", "http://x:1")
+    assert origins.allowed("https://app.example.com", args.allowed_origins)
+    assert not origins.allowed("https://other.example.com", args.allowed_origins)
+    assert origins.allowed("https://anything.example", ("*",)) and origins.allowed("https://[::1]:9", ())
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--allowed-origins", "example.com"])
+
+
 def test_unknown_route_is_404_and_wrong_method_405(http):
     assert_error(http.get("/v1/nope"), 404, None)
     assert_error(http.post("/v1/embeddings", json={}), 404, None)

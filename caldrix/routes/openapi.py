@@ -128,10 +128,12 @@ def _plain(description: str, media: str, schema: dict[str, Any], *errors: int):
                         **error_responses(*errors)}
 
 
+_MODEL = {"type": "object", "required": ["id", "object", "owned_by"],
+          "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"}}}
 _MODELS = {"type": "object", "required": ["object", "data"],
-           "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-               "type": "object", "required": ["id", "object", "owned_by"],
-               "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"}}}}}}
+           "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}}}
+_MODEL_ID = {"name": "model", "in": "path", "required": True, "description": "the served name (a repo id's slash as it is)",
+             "schema": {"type": "string"}}
 _HEALTH = {"description": "ok while the engine can serve", "content": {"text/plain": {"schema": {"const": "ok"}}}}
 _LAST = {"name": "last", "in": "query", "required": False, "description": "keep only the N most recent requests",
          "schema": {"type": "integer", "minimum": 1}}
@@ -158,6 +160,11 @@ def operations() -> list[Operation]:
                   body=systemone_schema.body_schema, operation_id="systemone"),
         Operation("/v1/models", "get", "The one model served", _plain("the model list", "application/json", _MODELS),
                   operation_id="models"),
+        Operation("/v1/models/{model}", "get", "OpenAI's retrieve-model route: the served model, 404 for any other",
+                  lambda ctx: {"200": {"description": "the model", "content": {"application/json": {"schema": _MODEL}}},
+                               "404": {"description": "no model of that id is served (code model_not_found)",
+                                       "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}},
+                  operation_id="models_retrieve"),
         Operation("/healthz", "get", "Liveness for a load balancer", _health, operation_id="healthz"),
         Operation("/health", "get", "Same as /healthz", _health, operation_id="health"),
         Operation("/metrics", "get", "Prometheus text",
@@ -187,6 +194,8 @@ def document(ctx: ModelLimits, *, extra: tuple[Operation, ...] = ()) -> dict[str
                                    "content": {"application/json": {"schema": op.body(ctx)}}}
         if op.path.startswith("/debug/"):
             item["parameters"] = [_LAST]
+        if "{model}" in op.path:
+            item["parameters"] = [_MODEL_ID]
         paths.setdefault(op.path, {})[op.method] = item
     return {
         "openapi": "3.1.0",
