@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -38,6 +39,7 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = 300
     app.extensions["caldrix"] = (rt, queue)
     app.extensions[prompt_ids.LIMITER_KEY] = prompt_ids.new_limiter()
+    app.extensions["caldrix.created"] = int(time.time())  # /v1/models' `created`: the model loaded
     app.register_blueprint(health.bp)
     app.register_blueprint(completions.bp)
     app.register_blueprint(debug.bp)  # /metrics, /debug/*, and the response counter

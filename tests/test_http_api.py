@@ -197,6 +197,9 @@ def test_models_list_gives_the_directory_name(oai, model):
     models = oai.models.list()
     assert [m.id for m in models.data] == [model]
     assert models.data[0].object == "model"
+    # OpenAI's Model type requires `created`: it validates, as a strict client would check it
+    openai.types.Model.model_validate(models.data[0].model_dump())
+    assert 0 < models.data[0].created <= time.time()
 
 
 def test_models_retrieve_gives_the_served_model_and_a_404_for_others(oai, http, model):

@@ -25,7 +25,10 @@ async def healthz():
 
 
 def _model_object(rt) -> dict:
-    return {"id": rt.served_name, "object": "model", "owned_by": "caldrix"}
+    # `created` (Unix seconds) is when this server loaded the model: OpenAI's Model type
+    # requires the field, and vLLM and llama-server send it the same way.
+    created = current_app.extensions.get("caldrix.created", 0)
+    return {"id": rt.served_name, "object": "model", "created": created, "owned_by": "caldrix"}
 
 
 @bp.get("/v1/models")

@@ -128,8 +128,9 @@ def _plain(description: str, media: str, schema: dict[str, Any], *errors: int):
                         **error_responses(*errors)}
 
 
-_MODEL = {"type": "object", "required": ["id", "object", "owned_by"],
-          "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"}}}
+_MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+          "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                         "owned_by": {"type": "string"}}}
 _MODELS = {"type": "object", "required": ["object", "data"],
            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}}}
 _MODEL_ID = {"name": "model", "in": "path", "required": True, "description": "the served name (a repo id's slash as it is)",
