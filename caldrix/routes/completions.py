@@ -73,10 +73,11 @@ async def chat_completions():
     req = parse_chat(body, limits(rt), rt.cfg.sampling, default_seed=rt.cfg.seed)
     texts = [m.content for m in req.messages]
     check_fits(rt.tokenizer, texts, rt.context, "messages")
+    size = sum(map(len, texts))
     if _vision() is not None:
-        return await _vision_chat(rt, req, sum(map(len, texts)))
+        return await _vision_chat(rt, req, size)
     try:
-        ids = tuple(await build(_prompt_threads(), sum(map(len, texts)), rt.tokenizer.render_chat, req.messages))
+        ids = tuple(await build(_prompt_threads(), size, rt.tokenizer.render_chat, req.messages))
     except ChatTemplateError as exc:
         raise ApiError.invalid(str(exc), "messages") from None
     return await _generate("chatcmpl", "chat.completion", req, ids, "messages")

@@ -46,6 +46,7 @@ EXIF_ORIENTATION = 0x0112
 _UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
             5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
             8: Image.Transpose.ROTATE_90}
+_QUARTER_TURNS = (5, 6, 7, 8)  # orientations displayed with the stored sides swapped
 DETAILS = ("auto", "high", "low")
 
 # Pillow checks every image it opens against MAX_IMAGE_PIXELS (a warning past it, an error past
@@ -186,7 +187,7 @@ def read_image_part(part: dict[str, Any], where: str) -> ImagePart | ImageRefusa
         scans = data.count(b"\xff\xda")  # SOS markers: 0xFF in entropy-coded data is stuffed, never FF DA
         if scans > MAX_JPEG_SCANS:
             return ImageRefusal(f"the JPEG holds {scans} scans; this server decodes at most {MAX_JPEG_SCANS}", where)
-    if orientation in (5, 6, 7, 8):  # turned a quarter: displayed with its sides swapped
+    if orientation in _QUARTER_TURNS:
         width, height = height, width
     return ImagePart(where=where, mime=canonical, data=data, width=width, height=height, detail=detail,
                      orientation=orientation)
@@ -248,7 +249,7 @@ def decode_image(part: ImagePart) -> Image.Image | DecodeFailure:
     _, pil_format, name = _TYPES[part.mime]
     try:
         im = Image.open(io.BytesIO(part.data), formats=[pil_format])
-        turned = part.orientation in (5, 6, 7, 8)
+        turned = part.orientation in _QUARTER_TURNS
         if im.size != ((part.height, part.width) if turned else (part.width, part.height)):
             return DecodeFailure(f"the {name} image changed size between reads", part.where)
         im.load()
