@@ -31,7 +31,7 @@ LAYERS = {
     "caldrix.device_pick": 3, "caldrix.weight_budget": 3, "caldrix.draft": 3, "caldrix.engine_probes": 3,
     "caldrix.models": 2,
     "caldrix.kernels": 1,
-    "caldrix.weights": 0, "caldrix.protocol": 0, "caldrix.config": 0,
+    "caldrix.weights": 0, "caldrix.protocol": 0, "caldrix.config": 0, "caldrix.memory": 0,
 }
 ENGINE = LAYERS["caldrix.engine"]
 MODEL_CODE = ("caldrix.models", "caldrix.kernels", "caldrix.weights")
