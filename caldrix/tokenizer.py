@@ -51,9 +51,9 @@ class Tokenizer:
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        # Set once a template has refused a system message: later requests merge up front
-        # rather than fail a render first.
-        self._merge_system = False
+        # Whether the template refuses a system message at the top of a conversation (Gemma's):
+        # probed once, on first need, with a plain [system, user] pair (`refuses_system`).
+        self._refuses_system: bool | None = None
         self._longest: int | None = None
 
     @classmethod
@@ -116,43 +116,49 @@ class Tokenizer:
 
     # -- chat ---------------------------------------------------------------------------------
 
-    def render_chat(self, messages: Sequence[Any]) -> list[int]:
+    def render_chat(self, messages: Sequence[Any], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The ids of `messages` through the chat template, ending with the generation prompt.
 
         `messages` are `ChatMessage` records or mappings with "role" and "content" (a
-        string). When the template refuses them and a system message is among them, the
-        system text goes to the top of the first user message instead (see
-        `merge_system`) and the render is tried once more; that is logged once per process.
-        Raises ChatTemplateError when there is no template or the template still refuses.
+        string), and "reasoning_content" where an earlier assistant turn carries its reasoning.
+        `template_kwargs` are extra variables for the template (a request's
+        chat_template_kwargs, such as Qwen3's enable_thinking). When the template refuses every
+        system message (`refuses_system`), the system text goes to the top of the first user
+        message instead (see `merge_system`); that is logged once per process.
+        Raises ChatTemplateError when there is no template or the template refuses the messages.
         """
-        return list(self._hf(self.render_chat_text(messages), add_special_tokens=False)["input_ids"])
+        return list(self._hf(self.render_chat_text(messages, template_kwargs), add_special_tokens=False)["input_ids"])
 
-    def render_chat_text(self, messages: Sequence[Any]) -> str:
+    def render_chat_text(self, messages: Sequence[Any], template_kwargs: Mapping[str, Any] | None = None) -> str:
         """`render_chat` before tokenizing: the prompt as the template writes it."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template")
         conversation = [_as_dict(m) for m in messages]
-        has_system = any(m["role"] == "system" for m in conversation)
-        if has_system and self._merge_system:
-            return self._render(merge_system(conversation))
+        if any(m["role"] == "system" for m in conversation) and self.refuses_system:
+            conversation = merge_system(conversation)
+            _warn_system_fallback_once()
         try:
-            return self._render(conversation)
-        except Exception as first:  # jinja2's TemplateError, or whatever the template trips on
-            if not has_system:
-                raise ChatTemplateError(f"the chat template refused these messages: {first}") from first
-            try:
-                text = self._render(merge_system(conversation))
-            except Exception as second:
-                raise ChatTemplateError(
-                    f"the chat template refused these messages: {second}"
-                ) from second
-        self._merge_system = True
-        _warn_system_fallback_once()
-        return text
+            return self._render(conversation, template_kwargs or {})
+        except Exception as exc:  # jinja2's TemplateError, or whatever the template trips on
+            raise ChatTemplateError(f"the chat template refused these messages: {exc}") from exc
 
-    def _render(self, conversation: list[dict[str, str]]) -> str:
+    @property
+    def refuses_system(self) -> bool:
+        """Whether the template refuses a system message even in its plain place, first and
+        followed by a user message. Only then are system messages merged: a template that
+        refuses one elsewhere (Qwen3.5's "System message must be at the beginning") refuses
+        that request, as transformers and vLLM do, and renders every other as written."""
+        if self._refuses_system is None:
+            try:
+                self._render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], {})
+                self._refuses_system = False
+            except Exception:
+                self._refuses_system = True
+        return self._refuses_system
+
+    def _render(self, conversation: list[dict[str, str]], template_kwargs: Mapping[str, Any]) -> str:
         return self._hf.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+            conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
 
 
@@ -177,9 +183,17 @@ def merge_system(conversation: Sequence[Mapping[str, str]]) -> list[dict[str, st
 
 
 def _as_dict(message: Any) -> dict[str, str]:
+    """The message as the template reads it: role and content, and reasoning_content when an
+    assistant turn carries one (Qwen3's template writes it into that turn's <think> block)."""
     if isinstance(message, Mapping):
-        return {"role": message["role"], "content": message["content"]}
-    return {"role": message.role, "content": message.content}
+        out = {"role": message["role"], "content": message["content"]}
+        reasoning = message.get("reasoning_content")
+    else:
+        out = {"role": message.role, "content": message.content}
+        reasoning = getattr(message, "reasoning", None)
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+    return out
 
 
 def _warn_system_fallback_once() -> None:

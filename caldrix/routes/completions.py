@@ -77,7 +77,7 @@ async def chat_completions():
     if _vision() is not None:
         return await _vision_chat(rt, req, size)
     try:
-        ids = tuple(await build(_prompt_threads(), size, rt.tokenizer.render_chat, req.messages))
+        ids = tuple(await build(_prompt_threads(), size, rt.tokenizer.render_chat, req.messages, dict(req.template_kwargs)))
     except ChatTemplateError as exc:
         raise ApiError.invalid(str(exc), "messages") from None
     return await _generate("chatcmpl", "chat.completion", req, ids, "messages")
@@ -92,7 +92,8 @@ async def _vision_chat(rt, req, size: int):
 
     vs = _vision()
     hf = rt.tokenizer.hf
-    render = lambda conv: hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    kwargs = dict(req.template_kwargs)
+    render = lambda conv: hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs)  # noqa: E731
     encode = lambda text: hf.encode(text, add_special_tokens=False)  # noqa: E731
     try:
         plan = await build(_prompt_threads(), size, plan_prompt, render, encode, req.messages, vs.tokens, vs.settings)

@@ -140,7 +140,10 @@ def _messages(ctx: ModelLimits) -> dict[str, Any]:
         part = {"anyOf": [text_part, image_part]}
     content = {"anyOf": [{"type": "string", **_NO_PLACEHOLDER}, {"type": "array", "items": part}]}
     message = {"type": "object", "required": ["role", "content"],
-               "properties": {"role": {"enum": list(ROLES)}, "content": content}}
+               "properties": {"role": {"enum": list(ROLES)}, "content": content,
+                              "reasoning_content": {"type": _nullable("string")},
+                              "reasoning": {"type": _nullable("string")},
+                              "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}
     return {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message}
 
 
@@ -188,6 +191,8 @@ COMPLETION: tuple[Field, ...] = (
 CHAT: tuple[Field, ...] = (
     Field("messages", _messages, f"1 to {MAX_MESSAGES} messages"),
     Field("prompt", _const({"type": "null"}), "refused here: send messages"),
+    Field("chat_template_kwargs", _const({"type": _nullable("object")}),
+          "extra variables for the chat template, such as Qwen3's enable_thinking"),
     *GENERATION,
 )
 

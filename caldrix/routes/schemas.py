@@ -51,6 +51,9 @@ class ChatMessage:
 
     role: str
     content: str
+    # An assistant turn's reasoning (reasoning_content, or vLLM's newer name reasoning): the
+    # template writes it where it keeps reasoning (Qwen3's <think> block), as vLLM passes it.
+    reasoning: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -89,6 +92,9 @@ class ChatRequest(GenerationRequest):
     """A validated /v1/chat/completions body: 1 to 256 messages, text only."""
 
     messages: tuple[ChatMessage, ...]
+    # chat_template_kwargs: extra variables for the chat template (Qwen3's enable_thinking), as
+    # vLLM passes them; pairs in the order sent.
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +178,33 @@ def parse_chat(
     if not ctx.has_chat_template:
         raise ApiError.invalid(NO_CHAT_TEMPLATE, "messages")
     messages = _messages(body.get("messages"), ctx)
-    return ChatRequest(model=model, messages=messages, **_generation(body, defaults, default_seed))
+    return ChatRequest(model=model, messages=messages, template_kwargs=_template_kwargs(body),
+                       **_generation(body, defaults, default_seed))
+
+
+# Variables the server itself gives the template (or apply_chat_template's own parameters): a
+# chat_template_kwargs key among them is refused rather than let it replace the messages or the
+# generation prompt.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+    "raise_exception", "strftime_now",
+})
+
+
+def _template_kwargs(body: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    raw = body.get("chat_template_kwargs")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ApiError.invalid(f"must be an object, got {_kind(raw)}", "chat_template_kwargs")
+    for key in raw:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise ApiError.invalid(
+                f'"{_clip(key)}" cannot be set here: the server gives the template its messages and '
+                "generation prompt", f"chat_template_kwargs.{_clip(key)}")
+    return tuple(raw.items())
 
 
 def reply_budget(prompt_len: int, max_tokens: int | None, ctx: ModelLimits, param: str) -> int:
@@ -293,6 +325,8 @@ def _message(m: Any, path: str, ctx: ModelLimits) -> ChatMessage:
         raise ApiError.invalid(
             f'must be system, user, assistant or developer, got "{_clip(role)}"', f"{path}.role"
         )
+    if m.get("tool_calls") not in (None, []):
+        raise ApiError.invalid("tool calls are not supported: this server has no tools", f"{path}.tool_calls")
     cpath = f"{path}.content"
     if "content" not in m:
         raise ApiError.invalid("content is required", cpath)
@@ -310,7 +344,16 @@ def _message(m: Any, path: str, ctx: ModelLimits) -> ChatMessage:
         raise ApiError.invalid(
             f"must be a string or an array of content parts, got {_kind(content)}", cpath
         )
-    return ChatMessage(role=ROLES[role], content=text)
+    return ChatMessage(role=ROLES[role], content=text, reasoning=_reasoning(m, path))
+
+
+def _reasoning(m: dict[str, Any], path: str) -> str | None:
+    for key in ("reasoning_content", "reasoning"):
+        value = m.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ApiError.invalid(f"must be a string, got {_kind(value)}", f"{path}.{key}")
+    found = m.get("reasoning_content")
+    return found if found is not None else m.get("reasoning")
 
 
 def _text_part(part: Any, path: str, ctx: ModelLimits) -> str:
