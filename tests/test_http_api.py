@@ -254,6 +254,19 @@ def test_chat_stream_with_usage_matches_non_stream(oai, model):
     assert all(f is None for f in finishes[:-1])
 
 
+def test_the_openai_stream_helper_builds_the_whole_message(oai, model):
+    """The package's stream helper assembles the reply from the deltas: the role must come in
+    one of them (the Node package's helper refuses a stream without it), and the message it
+    builds is the non-streamed one."""
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = oai.chat.completions.create(model=model, messages=messages, max_tokens=12)
+    with oai.chat.completions.stream(model=model, messages=messages, max_tokens=12) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.role == "assistant"
+    assert final.choices[0].message.content == whole.choices[0].message.content
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason
+
+
 def greedy_text(greedy: dict, tokenizer, n: int) -> str:
     return tokenizer.decode(greedy["choices"][0]["token_ids"][:n], clean_up_tokenization_spaces=False)
 
@@ -351,7 +364,9 @@ def test_spec_example_streamed_chat_max_tokens_2(http, model):
     assert 1 <= len(content) <= 2
     for c in content:
         assert c["choices"][0]["finish_reason"] is None
-        assert set(c["choices"][0]["delta"]) == {"content"}
+    # the first delta says whose it is (the openai packages' stream helpers need it), no other does
+    assert content[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [set(c["choices"][0]["delta"]) for c in content] == [{"role", "content"}] + [{"content"}] * (len(content) - 1)
     assert "".join(chunk_text(c) for c in content) == "The capital"
 
 

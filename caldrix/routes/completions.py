@@ -201,11 +201,17 @@ async def _sse(stream, head: dict, chat: bool, req, prompt_tokens: int):
     count = 0
     pending: list[int] = []
     spec = None
+    # The first chat delta says whose it is, as OpenAI, vLLM and llama-server say it: the openai
+    # packages' stream helpers build the final message from the deltas and refuse one without a
+    # role. Carried by the first chunk sent, with its text (or alone, with the finish).
+    role = {"role": "assistant"}
 
     def chunk(text: str | None, finish: FinishReason | None) -> bytes:
+        nonlocal role
         choice: dict = {"finish_reason": finish.value if finish else None, "index": 0}
         if chat:
-            choice["delta"] = {} if text is None else {"content": text}
+            choice["delta"] = {**role} if text is None else {**role, "content": text}
+            role = {}
         else:
             choice["text"] = text or ""
         if req.return_token_ids:
