@@ -8,16 +8,21 @@ closes the event channel: counted by the channel's fill alone, such requests ref
 with 429 for as long as every slot stayed busy, with nobody waiting.
 
 So the depth is checked against `waiting()`, the handed-over submissions that the scheduler has
-not taken (`Submission.taken`) and whose route still listens. The channel itself has room for
+not taken (`Submission.taken`) and whose route still listens, less those the free slots will
+take: requests that arrive together on an idle server (four at --max-batch 4) sit in the channel
+until the scheduler task next runs, and counted as waiting they were refused with slots free.
+The channel itself has room for
 `abandoned_room(depth)` more, for the abandoned ones; when those fill it too, the route answers
 429 all the same, which bounds what abandoned requests can hold.
 
 Ownership: the routes' side alone calls `put` and `waiting` (the list of handed-over submissions
-is its own; the /metrics gauge reads `waiting` too); the scheduler alone sets `taken`; the server
-closes `tx` when it stops.
+is its own; the /metrics gauge reads `waiting` too); the scheduler alone sets `taken` and owns
+the slots, whose free count `free_slots` only reads; the server closes `tx` when it stops.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -43,13 +48,17 @@ class EngineStopped(Exception):
 class RequestQueue:
     depth: int
     tx: trio.MemorySendChannel[Submission]
+    # The scheduler's free slots right now (read, never changed, from the routes' side): each
+    # takes one of the submissions not yet taken as soon as the scheduler task runs.
+    free_slots: Callable[[], int] = lambda: 0
     _handed: list[Submission] = attrs.Factory(list)  # put, and not yet seen taken or left
 
     @classmethod
-    def open(cls, depth: int) -> tuple["RequestQueue", trio.MemoryReceiveChannel[Submission]]:
+    def open(cls, depth: int, free_slots: Callable[[], int] = lambda: 0
+             ) -> tuple["RequestQueue", trio.MemoryReceiveChannel[Submission]]:
         """A queue of `depth` and the receive end the scheduler reads."""
         tx, rx = trio.open_memory_channel[Submission](depth + abandoned_room(depth))
-        return cls(depth, tx), rx
+        return cls(depth, tx, free_slots), rx
 
     def waiting(self) -> int:
         """Requests waiting for a slot whose clients have not left.
@@ -59,10 +68,15 @@ class RequestQueue:
         it can set `taken`, and a route that submits in that moment must not count it (a
         /v1/systemone request submitting its next prompt just as a waiting completion is taken
         was refused with 429 so). Exact except while such a moment meets an abandoned
-        submission still in the channel: then one too many, for that moment."""
+        submission still in the channel: then one too many, for that moment.
+
+        Less the scheduler's free slots, after the one a submission in that moment (received,
+        not yet marked) is about to take: those submissions will not wait."""
         self._handed = [s for s in self._handed
                         if not s.taken.is_set() and s.events.statistics().open_receive_channels > 0]
-        return min(len(self._handed), self.tx.statistics().current_buffer_used)
+        untaken = min(len(self._handed), self.tx.statistics().current_buffer_used)
+        in_hand = len(self._handed) - untaken  # received by the scheduler, not yet marked taken
+        return max(0, untaken - max(0, self.free_slots() - in_hand))
 
     def put(self, sub: Submission) -> None:
         """Hand `sub` to the scheduler without waiting. Raises QueueFull when `depth` requests

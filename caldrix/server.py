@@ -56,7 +56,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
     # The bounded request channel: it holds the requests waiting beyond the running ones
     # (--queue-depth); a full queue is a 429 at the route (request_queue.py).
-    queue, submit_rx = RequestQueue.open(cfg.queue_depth)
+    queue, submit_rx = RequestQueue.open(cfg.queue_depth, lambda: rt.scheduler.statistics().free_slots)
     app = create_app(rt, queue)
     hc = HyperConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]

@@ -110,3 +110,34 @@ def test_a_submission_taken_off_the_channel_stops_counting_before_it_is_marked()
         queue.put(submission(2)[0])  # the one place is free
 
     trio.run(main)
+
+
+def test_requests_that_free_slots_will_take_do_not_count_as_waiting():
+    """Four requests arriving together at --max-batch 4 --queue-depth 1 sit in the channel until
+    the scheduler task next runs; they were counted as waiting, and the third was refused with
+    every slot free."""
+
+    async def main():
+        free = [4]
+        queue, rx = RequestQueue.open(1, lambda: free[0])
+        subs = [submission(n)[0] for n in range(6)]
+        for sub in subs[:5]:  # four for the free slots, and one may wait
+            queue.put(sub)
+        assert queue.waiting() == 1
+        with pytest.raises(QueueFull):
+            queue.put(subs[5])
+        # the scheduler receives one and, before it marks it taken, the slots still read 4 free:
+        # that one is about to take a slot, so three remain for the four in the channel
+        first = rx.receive_nowait()
+        assert queue.waiting() == 1
+        first.taken.set()
+        free[0] = 3
+        assert queue.waiting() == 1
+        for _ in range(3):
+            rx.receive_nowait().taken.set()
+            free[0] -= 1
+        assert free[0] == 0 and queue.waiting() == 1  # the fifth waits, and counts
+        with pytest.raises(QueueFull):
+            queue.put(subs[5])
+
+    trio.run(main)
