@@ -34,6 +34,8 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
     max_body = VISION_MAX_BODY if vision is not None else MAX_BODY
     app.config["MAX_CONTENT_LENGTH"] = max_body
     app.extensions["caldrix.vision"] = vision
+    if vision is not None:  # /metrics reads the image decode limiter at scrape time
+        rt.telemetry.metrics.read_images_from(lambda: (vision.limiter.decoding, vision.limiter.waiting))
     # Quart's 60 s defaults would cut a long stream or a slow upload without an error.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 300

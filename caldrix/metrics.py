@@ -38,8 +38,12 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25) + REQUEST_BUCKETS
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
-# Response status -> requests_rejected_total{reason}.
+# Response status -> requests_rejected_total{reason}, for the routes that generate (GENERATING).
 REJECT_REASONS = {400: "invalid", 413: "too_large", 429: "queue_full", 503: "unavailable"}
+GENERATING = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/systemone"})
+# The method label's values: the methods of RFC 9110 and PATCH; any other (a client may send any
+# token as a method) is counted as "other", so no client can add series or text to /metrics.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 
 
 class _Live:
@@ -72,6 +76,23 @@ class _Live:
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Forward passes (scheduler steps) run.", labels=labels)
         steps.add_metric(value, stats.steps)
         yield steps
+
+
+class _Images:
+    """Scrape-time gauges of the image decode limiter (caldrix/vision/limiter.py)."""
+
+    def __init__(self, model_name: str, read: Callable[[], tuple[int, int]]):
+        self.model_name = model_name
+        self.read = read
+
+    def collect(self):
+        decoding, waiting = self.read()
+        for name, doc, v in (("num_images_decoding", "Requests decoding images now (at most 2).", decoding),
+                             ("num_images_waiting", "Image requests waiting for a decode slot (at most --queue-depth).",
+                              waiting)):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], v)
+            yield g
 
 
 class Metrics:
@@ -125,10 +146,18 @@ class Metrics:
         self._success.labels(self.model_name, reason).inc()
 
     def response(self, handler: str, method: str, status: int) -> None:
-        self._http.labels(self.model_name, handler, method, str(status)).inc()
+        """Count a response. `handler` is a route's rule or "unmatched" (a bounded set); a refusal
+        counts in requests_rejected_total only on a generating route (not a /healthz 503 or a
+        /debug 400)."""
+        self._http.labels(self.model_name, handler, method if method in METHODS else "other", str(status)).inc()
         reason = REJECT_REASONS.get(status)
-        if reason is not None:
+        if reason is not None and handler in GENERATING:
             self._rejected.labels(self.model_name, reason).inc()
+
+    def read_images_from(self, read: Callable[[], tuple[int, int]]) -> None:
+        """A vision server's image decode limiter, read at scrape time: `read()` gives (requests
+        decoding images now, image requests waiting for a decode slot)."""
+        self.registry.register(_Images(self.model_name, read))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

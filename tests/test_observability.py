@@ -322,6 +322,25 @@ def test_metrics_counters_move_with_requests(http, model):
     assert val(after, "caldrix:kv_cache_held_rows") >= 43
 
 
+def test_metrics_labels_stay_bounded_and_refusals_count_only_generating_routes(http, model):
+    before = samples(http.get("/metrics").text)
+    for n in range(5):  # any token is a method to HTTP; none of them may become a label
+        assert http.request(f"ZQXMETHOD{n}", "/v1/completions").status_code in (400, 405)
+    assert http.get("/debug/requests", params={"last": "x"}).status_code == 400
+    for odd in (" 1", "1_0", "\uff13", "+1"):  # int() reads these; the route does not
+        assert http.get("/debug/requests", params={"last": odd}).status_code == 400, odd
+    text = http.get("/metrics").text
+    after = samples(text)
+    assert "ZQXMETHOD" not in text
+    # 405 on a known route; a 400 if the server reads the odd method as malformed
+    assert sum(v for (name, labels), v in after.items() if name == "caldrix:http_requests_total"
+               and dict(labels).get("method") == "other") - sum(
+        v for (name, labels), v in before.items() if name == "caldrix:http_requests_total"
+        and dict(labels).get("method") == "other") == 5
+    assert val(after, "caldrix:requests_rejected_total", reason="invalid") == val(
+        before, "caldrix:requests_rejected_total", reason="invalid")  # a /debug 400 is not a refused request
+
+
 def test_debug_requests_carry_settings_never_text(http, model, server):
     marker = f"zqx-{uuid.uuid4().hex}"
     chat = http.post("/v1/chat/completions", json={

@@ -4,7 +4,7 @@ other vision tests show only below HTTP or with httpx alone:
 - The image decode queue: with --queue-depth 1, two requests decoding and one waiting, the
   waiting client closes its connection; its place is free at once, so a new image request is
   admitted to wait (not a 429) while the two still decode. The state is read from /metrics'
-  caldrix_image_decoding and caldrix_image_decode_waiting gauges (the limiter's own counts,
+  caldrix:num_images_decoding and caldrix:num_images_waiting gauges (the limiter's own counts,
   caldrix/vision/limiter.py), never guessed with sleeps; the two decoding requests carry eight
   large progressive JPEGs each (about 3 s of decoding on this machine, the steps between the
   scrapes take milliseconds).
@@ -54,8 +54,8 @@ def slow_jpeg(side: int = 4096) -> bytes:
 def gauges(http: httpx.Client) -> tuple[int, int]:
     """(requests decoding images, requests waiting to) as /metrics reports them now."""
     text = http.get("/metrics").text
-    found = dict(re.findall(r"^(caldrix_image_decod\w+) (\d+)$", text, re.M))
-    return int(found["caldrix_image_decoding"]), int(found["caldrix_image_decode_waiting"])
+    found = dict(re.findall(r'^caldrix:(num_images_\w+)\{model_name="[^"]*"\} (\d+)\.0$', text, re.M))
+    return int(found["num_images_decoding"]), int(found["num_images_waiting"])
 
 
 def wait_for(http: httpx.Client, want, what: str, timeout: float = 30.0) -> tuple[int, int]:

@@ -44,10 +44,8 @@ def _last() -> int | None:
     raw = request.args.get("last")
     if raw is None:
         return None
-    try:
-        last = int(raw)
-    except ValueError:
-        last = -1
+    # ASCII digits only: int() would also take " 1", "1_0" and other scripts' digits
+    last = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else -1
     if last < 1:
         raise ApiError.invalid(f"must be an integer >= 1, got {raw!r}", "last")
     return last
@@ -55,15 +53,7 @@ def _last() -> int | None:
 
 @bp.get("/metrics")
 async def metrics():
-    body = _telemetry().metrics.render()
-    vision = current_app.extensions.get("caldrix.vision")
-    if vision is not None:  # the image decode limiter, now (caldrix/vision/limiter.py)
-        lim = vision.limiter
-        body += ("# TYPE caldrix_image_decoding gauge\n"
-                 f"caldrix_image_decoding {lim.decoding}\n"
-                 "# TYPE caldrix_image_decode_waiting gauge\n"
-                 f"caldrix_image_decode_waiting {lim.waiting}\n").encode()
-    return Response(body, content_type=CONTENT_TYPE)
+    return Response(_telemetry().metrics.render(), content_type=CONTENT_TYPE)
 
 
 @bp.get("/debug/requests")
