@@ -303,6 +303,26 @@ def test_telemetry_counts_each_question(smollm2_server):
     assert 'caldrix:prompt_tokens_total' in metrics
 
 
+def test_a_client_that_leaves_sees_its_questions_aborted(smollm2_server):
+    """The records of the prompts that ran before the client left: 499, as a completion's, and
+    the finish it saw is an abort (not the stop its answered prompts reached)."""
+    import time
+
+    srv = smollm2_server
+    name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+    questions = {f"q{i}": {"type": "noul", "instructions": f"Is this message number {i}?"} for i in range(64)}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(srv.url + "/v1/systemone", json={"model": name, "state": STATE, "questions": questions},
+                   timeout=httpx.Timeout(120, read=0.4))
+    deadline = time.monotonic() + 30
+    while True:
+        recs = [r for r in httpx.get(srv.url + "/debug/requests").json()["data"] if r["status"] == 499]
+        if recs or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert recs and all(r["route"] == "/v1/systemone" and r["finish_reason"] == "abort" for r in recs)
+
+
 def _gauge(srv, name: str) -> float:
     for line in httpx.get(srv.url + "/metrics").text.splitlines():
         if line.startswith(f"caldrix:{name}{{"):

@@ -109,8 +109,9 @@ async def systemone():
         if lease is not None:
             lease.released = True  # the scheduler task drops the kept state
         for rid in ran:
-            rt.telemetry.route_done(rid, route=ROUTE, status=status,
-                                    finish=FinishReason.STOP if status == 200 else None, stream=False)
+            # a client that left sees its questions aborted, as a completion's would be (499, abort)
+            finish = {200: FinishReason.STOP, 499: FinishReason.ABORT}.get(status)
+            rt.telemetry.route_done(rid, route=ROUTE, status=status, finish=finish, stream=False)
     return json_response({"model": rt.served_name, "answers": answers,
                           "usage": {"input_tokens": tokens, "output_tokens": 0}})
 
