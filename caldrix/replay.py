@@ -30,8 +30,56 @@ TOKEN_LO = 1000  # synthetic prompt ids stay clear of a vocabulary's special tok
 TOKEN_HI = 32000  # and under the vocabulary size when the trace does not give it
 
 
+# Bounds of what a trace may ask for, checked when it is read, before any request is sent: a
+# hostile or damaged file must not make replay build a 10**12-token prompt or wait for ever.
+MAX_TRACE_TOKENS = 2**20  # prompt or reply tokens of one request
+MAX_ARRIVAL_S = 7 * 24 * 3600.0  # a week of recorded traffic
+MAX_BLOCK_TOKENS = 4096
+
+
 class TraceError(ValueError):
     """The file is not a caldrix trace."""
+
+
+def _count(value, at: str, key: str, lo: int, hi: int) -> int:
+    """A whole number in [lo, hi] (a float that is whole is taken: JSON writers differ)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise TraceError(f"{at}: {key} must be a whole number, got {orjson.dumps(value).decode()[:40]}")
+    if not lo <= value <= hi:
+        raise TraceError(f"{at}: {key} must be {lo} to {hi}, got {value:g}")
+    return int(value)
+
+
+def _check_request(line: dict, at: str) -> None:
+    arrival = line.get("arrival")
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
+        raise TraceError(f"{at}: arrival is missing" if arrival is None else f"{at}: arrival must be a number")
+    if not 0 <= arrival <= MAX_ARRIVAL_S:  # NaN fails both
+        raise TraceError(f"{at}: arrival must be 0 to {MAX_ARRIVAL_S:.0f} seconds, got {arrival}")
+    for key, lo in (("prompt_tokens", 1), ("completion_tokens", 0)):
+        if key not in line:
+            raise TraceError(f"{at}: {key} is missing")
+        _count(line[key], at, key, lo, MAX_TRACE_TOKENS)
+    blocks = line.get("blocks")
+    if blocks is not None and not (isinstance(blocks, list) and all(isinstance(b, str) for b in blocks)):
+        raise TraceError(f"{at}: blocks must be a list of digests (strings)")
+    sampling = line.get("sampling")
+    if sampling is not None and not isinstance(sampling, dict):
+        raise TraceError(f"{at}: sampling must be an object")
+
+
+def _check_header(header: dict, at: str) -> None:
+    from caldrix.telemetry import TRACE_VERSION
+
+    version = header.get("version", TRACE_VERSION)
+    if version != TRACE_VERSION or isinstance(version, bool):
+        raise TraceError(f"{at}: trace version {orjson.dumps(version).decode()[:20]}; this caldrix reads "
+                         f"version {TRACE_VERSION}")
+    if "block_tokens" in header:
+        _count(header["block_tokens"], at, "block_tokens", 1, MAX_BLOCK_TOKENS)
+    if header.get("vocab_size") is not None:
+        _count(header["vocab_size"], at, "vocab_size", 2, 2**31)
 
 
 @attrs.frozen
@@ -58,11 +106,10 @@ def load_trace(path: str | Path) -> Trace:
             if not isinstance(line, dict):
                 raise TraceError(f"{path}:{n}: a line must be an object")
             if line.get("trace") == "caldrix":
+                _check_header(line, f"{path}:{n}")
                 header = line
                 continue
-            for key in ("arrival", "prompt_tokens", "completion_tokens"):
-                if not isinstance(line.get(key), (int, float)):
-                    raise TraceError(f"{path}:{n}: {key} is missing")
+            _check_request(line, f"{path}:{n}")
             reqs.append(line)
     if not header:  # an empty file, or JSON lines of something else
         raise TraceError(f'{path}: not a caldrix trace: no header line ({{"trace": "caldrix", ...}}, '
@@ -74,6 +121,7 @@ def load_trace(path: str | Path) -> Trace:
 def synthetic_prompt(req: dict, block_tokens: int, vocab_size: int | None = None) -> list[int]:
     """Token ids of the recorded prompt length; block i is a function of digest i alone."""
     hi = min(TOKEN_HI, vocab_size) if vocab_size else TOKEN_HI
+    lo = TOKEN_LO if hi > 2 * TOKEN_LO else 0  # a small vocabulary (a test model's) is used whole
     n = int(req["prompt_tokens"])
     ids: list[int] = []
     for i, digest in enumerate(req.get("blocks") or ()):
@@ -81,10 +129,10 @@ def synthetic_prompt(req: dict, block_tokens: int, vocab_size: int | None = None
         if take <= 0:
             break
         rng = random.Random(f"{digest}:{take}")
-        ids.extend(rng.randrange(TOKEN_LO, hi) for _ in range(take))
+        ids.extend(rng.randrange(lo, hi) for _ in range(take))
     if len(ids) < n:  # no digests (a trace from elsewhere): an unshared prompt
         rng = random.Random(f"{req.get('id')}:{req['arrival']}:rest")
-        ids.extend(rng.randrange(TOKEN_LO, hi) for _ in range(n - len(ids)))
+        ids.extend(rng.randrange(lo, hi) for _ in range(n - len(ids)))
     return ids
 
 
@@ -271,10 +319,27 @@ def main(path: str, url: str = DEFAULT_URL, *, concurrency: int | None = None, s
         return 2
     if limit is not None:
         trace = Trace(trace.header, trace.requests[:limit])
+    try:
+        httpx.URL(base_url(url)).copy_with(path="/v1/models")
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        print(f"caldrix: --url {url!r} is not a URL: {exc}", file=sys.stderr)
+        return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
-        results, wall = trio.run(lambda: replay(trace, url, concurrency=concurrency, speed=speed))
-    except httpx.HTTPError as exc:
+        try:
+            results, wall = trio.run(lambda: replay(trace, url, concurrency=concurrency, speed=speed))
+        except BaseExceptionGroup as group:  # trio hands Ctrl-C and errors back from its nursery
+            interrupt, rest = group.split(KeyboardInterrupt)
+            if interrupt is not None and rest is None:
+                raise KeyboardInterrupt from None
+            http, rest = group.split(httpx.HTTPError)
+            if http is not None and rest is None:
+                raise http.exceptions[0] from None
+            raise
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         print(f"caldrix: cannot reach {url}: {exc}", file=sys.stderr)
         return 1
     summary = summarize(results, wall)

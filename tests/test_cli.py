@@ -142,3 +142,47 @@ def test_replay_refuses_a_file_that_is_not_a_trace(tmp_path):
     headless.write_text('{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 2}\n')
     for path in (empty, headless):
         assert replay.main(str(path), "http://127.0.0.1:9") == 2
+
+
+HEADER = '{"trace": "caldrix", "version": 1, "block_tokens": 16}\n'
+
+
+@pytest.mark.parametrize("header, line, says", [
+    (HEADER, '{"arrival": 0, "prompt_tokens": 1e12, "completion_tokens": 2}', "prompt_tokens must be 1 to 1048576"),
+    (HEADER, '{"arrival": 0, "prompt_tokens": -3, "completion_tokens": 2}', "prompt_tokens must be 1 to"),
+    (HEADER, '{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 1e300}', "completion_tokens must be 0 to"),
+    (HEADER, '{"arrival": 0, "prompt_tokens": 2.5, "completion_tokens": 2}', "prompt_tokens must be a whole number"),
+    (HEADER, '{"arrival": true, "prompt_tokens": 3, "completion_tokens": 2}', "arrival must be a number"),
+    (HEADER, '{"arrival": 1e300, "prompt_tokens": 3, "completion_tokens": 2}', "arrival must be 0 to"),
+    (HEADER, '{"arrival": -1, "prompt_tokens": 3, "completion_tokens": 2}', "arrival must be 0 to"),
+    (HEADER, '{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 2, "sampling": [1, 2]}', "sampling must be an object"),
+    (HEADER, '{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 2, "blocks": "abc"}', "blocks must be a list"),
+    ('{"trace": "caldrix", "version": 1, "vocab_size": "big"}\n', '{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 2}',
+     "vocab_size must be a whole number"),
+    ('{"trace": "caldrix", "version": 1, "block_tokens": 0}\n', '{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 2}',
+     "block_tokens must be 1 to 4096"),
+    ('{"trace": "caldrix", "version": 999}\n', '{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 2}',
+     "trace version 999; this caldrix reads version 1"),
+])
+def test_replay_refuses_a_damaged_trace_before_it_sends_anything(tmp_path, capsys, header, line, says):
+    """Checked when read, before the server is asked anything (port 9 answers nothing): a hostile
+    file must not build a 10**12-token prompt, wait for 1e300 seconds, or end in a traceback."""
+    from caldrix import replay
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(header + line + "\n")
+    assert replay.main(str(path), "http://127.0.0.1:9") == 2
+    assert says in capsys.readouterr().err
+
+
+def test_replay_refuses_a_url_it_cannot_parse_and_reads_a_small_vocabulary(tmp_path, capsys):
+    from caldrix import replay
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"trace": "caldrix", "version": 1, "vocab_size": 500}\n'
+                    '{"arrival": 0, "prompt_tokens": 40, "completion_tokens": 2, "blocks": ["a1", "b2"]}\n')
+    assert replay.main(str(path), "http://[::1") == 2
+    assert "is not a URL" in capsys.readouterr().err
+    # a test model's 500-token vocabulary: every id under it, none refused for want of a range
+    ids = replay.synthetic_prompt(replay.load_trace(path).requests[0], 16, 500)
+    assert len(ids) == 40 and all(0 <= i < 500 for i in ids)
