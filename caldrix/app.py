@@ -63,6 +63,20 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
             return Response("", 204, headers=origins.preflight_headers(origin, asked))
         return None
 
+    @app.before_request
+    async def refuse_encoded_bodies():
+        """A compressed body (Content-Encoding: gzip) is a 415 naming the encoding, as RFC 9110
+        asks, before the body is read: parsed as it is, it read as "not UTF-8". No OpenAI client
+        compresses its requests; a proxy or a hand-made one may."""
+        coding = request.headers.get("Content-Encoding", "").strip().lower()
+        if coding not in ("", "identity") and request.method not in ("GET", "HEAD", "OPTIONS"):
+            resp = error_response(ApiError(
+                415, f"Content-Encoding {coding[:40]} is not supported; send the body uncompressed", None))
+            resp.headers["Accept-Encoding"] = "identity"
+            resp.headers["Connection"] = "close"  # the unread body is still on the wire, as for a 413
+            return resp
+        return None
+
     @app.after_request
     async def name_the_origin(resp):
         origin = request.headers.get("Origin")

@@ -682,6 +682,18 @@ def test_body_over_4_mib_is_413(http, model):
     assert http.get("/healthz", timeout=10).text == "ok"
 
 
+def test_a_compressed_body_is_415_naming_its_encoding(http, model):
+    import gzip
+
+    body = gzip.compress(json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode())
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/systemone"):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert_error(r, 415, None, "Content-Encoding gzip is not supported; send the body uncompressed")
+    r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1},
+                  headers={"Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+
+
 def test_chunked_body_over_4_mib_is_413(http, model):
     """Without a Content-Length the limit is found while reading."""
     def chunks():

@@ -466,6 +466,9 @@ def test_stream_options():
     assert chat(stream=True, stream_options={}).include_usage is False
     assert chat(stream=True, stream_options=None).include_usage is False
     assert chat(stream=False, stream_options=None).include_usage is False
+    # the off values of OpenAI's and vLLM's other options: what this server sends anyway
+    assert chat(stream=True, stream_options={"include_usage": True, "include_obfuscation": False,
+                                             "continuous_usage_stats": None}).include_usage is True
 
 
 @pytest.mark.parametrize(
@@ -476,6 +479,9 @@ def test_stream_options():
         ({"stream": True, "stream_options": True}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+        ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+        ({"stream": True, "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation"),
     ],
 )
 def test_stream_options_refusals(fields, param):

@@ -4,7 +4,7 @@ The queue frees one place each time a running request ends. Over the replay ring
 finished requests, a request took `service` seconds from admission to its end on average; with
 `max_batch` running at once, a place frees about every service / max_batch seconds, and a client
 retrying then finds room ahead of the `waiting` requests only once (waiting + 1) places have
-freed. That estimate, clamped to 1..60 s (the official openai client honours a Retry-After of up
+freed. That estimate, clamped to 0.25..60 s (the official openai client honours a Retry-After of up
 to 60 s and falls back to its own backoff beyond), is sent both as Retry-After (whole seconds,
 RFC 9110) and as retry-after-ms (which the openai clients read first, so they need not round up).
 """

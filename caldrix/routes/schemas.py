@@ -466,12 +466,22 @@ def _include_usage(raw: Any, stream: bool) -> bool:
     if not isinstance(raw, dict):
         raise ApiError.invalid(f"must be an object, got {_kind(raw)}", "stream_options")
     for key in raw:
-        if key != "include_usage":
+        if key in OFF_ONLY_STREAM_OPTIONS:
+            if _flag(raw, key, param=f"stream_options.{key}"):
+                raise ApiError.invalid(f"stream_options.{key} is not implemented: only false is accepted",
+                                       f"stream_options.{key}")
+        elif key != "include_usage":
             raise ApiError.invalid(
                 f'unknown field "{_clip(key)}" in stream_options; only include_usage is accepted',
                 f"stream_options.{key}",
             )
     return _flag(raw, "include_usage", param="stream_options.include_usage")
+
+
+# stream_options a client may send at their off value: OpenAI's include_obfuscation (the openai
+# packages' types carry it; false asks for what this server sends) and vLLM's
+# continuous_usage_stats (usage on every chunk).
+OFF_ONLY_STREAM_OPTIONS = ("include_obfuscation", "continuous_usage_stats")
 
 
 def _user(raw: Any) -> str | None:
