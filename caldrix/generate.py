@@ -90,15 +90,16 @@ async def pieces(rx: trio.MemoryReceiveChannel[TokenEvent], tokenizer, stops: tu
                 raise EngineStopped(event.error or "the engine is unavailable")
             ids = () if event.token_id is None else (event.token_id,)
             text = detok.push(event.token_id) if ids else ""
-            if event.finish is not None:
-                text += detok.flush()
             safe, stopped = matcher.feed(text)
             spec = event.speculative
             if stopped:
                 yield Piece(safe, ids, FinishReason.STOP, spec)
                 return
             if event.finish is not None:
-                yield Piece(safe + matcher.flush(), ids, event.finish, spec)
+                # The detokenizer's flush is only the U+FFFD of bytes the reply ended before
+                # finishing: no stop string is matched against it (the reply ended for length
+                # or end of sequence, not at a "\ufffd" stop).
+                yield Piece(safe + matcher.flush() + detok.flush(), ids, event.finish, spec)
                 return
             yield Piece(safe, ids, speculative=spec)
         # The channel closed with no final event: the scheduler went away under us.

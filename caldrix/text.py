@@ -30,6 +30,7 @@ PROMPT_CONTEXT = 5
 # unfinished after this many tokens is not a character being spelled out byte by byte (one
 # is at most 4 bytes) but bytes that never form one, and goes out as U+FFFD.
 MAX_PENDING_TOKENS = 16
+UTF8_MAX_BYTES = 4  # the longest character in UTF-8
 
 
 class Decoder(Protocol):
@@ -92,6 +93,18 @@ class IncrementalDetokenizer:
         if pending == 0:
             return ""
         text = self._decode(self._ids)
+        if not final and pending >= MAX_PENDING_TOKENS and text.endswith(REPLACEMENT):
+            # Bytes that never formed a character go out as U+FFFD, but the last few tokens stay
+            # pending: the tail's U+FFFD may be the start of a character they have not finished
+            # (at most 3 bytes of one, so at most 3 tokens), and sent now that character would
+            # be lost when its last byte came.
+            cut = len(self._ids) - (UTF8_MAX_BYTES - 1)
+            new = self._decode(self._ids[:cut])[self._sent :]
+            # Slide the window to the cut: the tokens sent become the next context.
+            del self._ids[: self._read]
+            self._read = cut - self._read  # the cut, less the context just dropped
+            self._sent = len(self._decode(self._ids[: self._read]))
+            return new
         if not final and pending < MAX_PENDING_TOKENS:
             if text.endswith(REPLACEMENT):
                 # Send what comes before the unfinished tail, and keep the window, so the

@@ -267,6 +267,21 @@ def test_the_openai_stream_helper_builds_the_whole_message(oai, model):
     assert final.choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_an_empty_streamed_reply_says_its_empty_content(oai, http, model):
+    """A stop string at the first token: the one delta carries the role and content "", so the
+    stream helper's message is the non-streamed one ("" , not None)."""
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = oai.chat.completions.create(model=model, messages=messages, max_tokens=12, stop=["The"])
+    assert whole.choices[0].message.content == "" and whole.choices[0].finish_reason == "stop"
+    events = stream_post(http, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 12,
+                                                        "stop": ["The"], "stream": True})
+    assert [c["choices"] for c in events[:-1]] == [
+        [{"delta": {"role": "assistant", "content": ""}, "finish_reason": "stop", "index": 0}]]
+    with oai.chat.completions.stream(model=model, messages=messages, max_tokens=12, stop=["The"]) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content == "" and final.choices[0].message.role == "assistant"
+
+
 def greedy_text(greedy: dict, tokenizer, n: int) -> str:
     return tokenizer.decode(greedy["choices"][0]["token_ids"][:n], clean_up_tokenization_spaces=False)
 

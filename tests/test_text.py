@@ -222,6 +222,29 @@ def test_an_unfinished_character_is_flushed_as_replacement(tok):
     assert sent + detok.flush() == tok.decode(ids[:-1])
 
 
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_a_cut_characters_replacement_is_not_matched_as_a_stop(tok, finish):
+    """The U+FFFD that stands for bytes a reply ended before finishing is not reply text a stop
+    string can match: the reply ended for its own reason (generate.pieces)."""
+    import trio
+
+    from caldrix.generate import pieces
+    from caldrix.protocol import FinishReason, TokenEvent
+
+    ids = tok.encode("ok 😀")[:-1]  # the emoji's last byte never comes
+
+    async def main():
+        tx, rx = trio.open_memory_channel(len(ids))
+        for n, i in enumerate(ids):
+            tx.send_nowait(TokenEvent(i, FinishReason(finish) if n == len(ids) - 1 else None))
+        tx.close()
+        return [p async for p in pieces(rx, tok, ("\ufffd", "\ufffd\ufffd"))]
+
+    got = trio.run(main)
+    assert "".join(p.text for p in got) == tok.decode(ids) and tok.decode(ids).endswith("\ufffd")
+    assert got[-1].finish is FinishReason(finish)
+
+
 def test_special_tokens_are_skipped_or_kept(tok):
     ids = tok.encode("Paris.") + [2]
     assert "".join(stream(tok, ids)) == "Paris."
@@ -300,6 +323,23 @@ def test_bytes_that_never_form_a_character_go_out_eventually():
     out = [detok.push(i) for i in [0] + [1] * (2 * MAX_PENDING_TOKENS)]
     assert "\ufffd" in "".join(out)  # not held to the end of the reply
     assert "".join(out) + detok.flush() == "a" + "\ufffd" * 2 * MAX_PENDING_TOKENS
+
+
+@pytest.mark.parametrize("strays", range(MAX_PENDING_TOKENS - 4, MAX_PENDING_TOKENS + 3))
+def test_a_character_begun_as_the_stray_bytes_go_out_still_comes_out_whole(strays):
+    """Stray bytes up to the window's bound, then a character split over three tokens: the
+    bound sends the strays as U+FFFD but must keep the character's first bytes pending (sent
+    with them, its U+FFFD took the character's place and the character was lost)."""
+    class ByteLevel:  # byte-level BPE's decode (SmolLM2's, Qwen3's): all the bytes, then UTF-8
+        def decode(self, ids, *, skip_special_tokens=True):
+            return b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+
+    pieces = {0: b"a", 1: b"\x98", 2: b"\xe6", 3: b"\x97", 4: b"\xa5"}
+    decoder = ByteLevel()
+    ids = [0] + [1] * strays + [2, 3, 4, 0]
+    chunks = stream(decoder, ids)
+    assert "".join(chunks) == decoder.decode(ids) == "a" + "\ufffd" * strays + "日a"
+    assert chunks[-1] == ""  # nothing held to the end: the strays went out on the way
 
 
 def test_the_window_stays_short(tok):

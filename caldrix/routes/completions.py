@@ -210,7 +210,9 @@ async def _sse(stream, head: dict, chat: bool, req, prompt_tokens: int):
         nonlocal role
         choice: dict = {"finish_reason": finish.value if finish else None, "index": 0}
         if chat:
-            choice["delta"] = {**role} if text is None else {**role, "content": text}
+            # an empty reply's only delta says content "", as the non-streamed message does
+            choice["delta"] = {**role, "content": ""} if text is None and role else (
+                {} if text is None else {**role, "content": text})
             role = {}
         else:
             choice["text"] = text or ""
