@@ -190,9 +190,11 @@ def test_messages_is_refused_on_completions():
 
 
 def test_unnamed_fields_are_accepted_and_ignored():
-    r = chat(seed=3, user="alice", suffix="x", echo=True, metadata={"a": 1}, frobnicate=[1])
+    r = chat(seed=3, user="alice", metadata={"a": 1}, store=True, service_tier="auto", parallel_tool_calls=False,
+             prediction={"type": "content", "content": "x"}, cache_prompt=True, frobnicate=[1])
     assert r.user == "alice"
-    assert completion(echo=True, suffix="!", best_of=None).prompt
+    # peers' feature fields at their off values: what this server does anyway
+    assert completion(echo=False, suffix="", best_of=None, min_tokens=0, skip_special_tokens=True).prompt
 
 
 def test_user_must_be_a_string():
@@ -214,6 +216,24 @@ NOT_NEUTRAL = [
     ("tool_choice", "auto"), ("tool_choice", {"type": "function"}),
     ("response_format", {"type": "json_object"}), ("response_format", {"type": "text", "x": 1}),
 ]
+# Fields of OpenAI's, vLLM's and llama-server's requests that would change the reply: refused
+# at any other value than their off one, never ignored (routes/fields.py PEER_FEATURES).
+PEER_NOT_NEUTRAL = [
+    ("echo", True), ("suffix", " the end"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("stop_token_ids", [2]), ("include_stop_str_in_output", True), ("min_tokens", 5),
+    ("skip_special_tokens", False), ("use_beam_search", True), ("typical_p", 0.9), ("prompt_logprobs", 1),
+    ("guided_regex", "[a-z]+"), ("guided_json", {"type": "object"}), ("add_generation_prompt", False),
+    ("continue_final_message", True), ("chat_template", "{{ messages }}"), ("grammar", "root ::= x"),
+    ("mirostat", 2), ("repeat_penalty", 1.1), ("min_tokens", True),
+]
+
+
+@pytest.mark.parametrize("field, value", PEER_NOT_NEUTRAL)
+def test_peers_feature_fields_that_would_change_the_reply_are_refused_by_name(field, value):
+    for e in both(**{field: value}):
+        assert (e.status, e.param) == (400, field)
+        assert e.message.startswith(f"{field} is not supported by this server; only ")
 
 
 @pytest.mark.parametrize("field, value", NEUTRAL)

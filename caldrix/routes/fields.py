@@ -88,6 +88,51 @@ NOT_IMPLEMENTED: tuple[NotImplementedField, ...] = (
 )
 
 
+# Feature fields of OpenAI's, vLLM's and llama-server's requests that http-api.md does not name.
+# The spec accepts a field it does not name, but refuses "any other sampling or feature field":
+# a field that changes the reply is one, and sent at a value that would change it, is refused as
+# those above are, never ignored; at its off value (what this server does anyway) it is accepted.
+PEER_FEATURES: tuple[NotImplementedField, ...] = (
+    # OpenAI
+    NotImplementedField("echo", (False,), "false"),
+    NotImplementedField("suffix", ("",), '""'),
+    NotImplementedField("functions", ([],), "[]"),
+    NotImplementedField("function_call", ("none",), '"none"'),
+    NotImplementedField("modalities", (["text"],), '["text"]'),
+    NotImplementedField("audio", (), "null"),
+    # vLLM
+    NotImplementedField("stop_token_ids", ([],), "[]"),
+    NotImplementedField("include_stop_str_in_output", (False,), "false"),
+    NotImplementedField("min_tokens", (0,), "0"),
+    NotImplementedField("skip_special_tokens", (True,), "true"),
+    NotImplementedField("spaces_between_special_tokens", (True,), "true"),
+    NotImplementedField("use_beam_search", (False,), "false"),
+    NotImplementedField("length_penalty", (1,), "1"),
+    NotImplementedField("typical_p", (1,), "1"),
+    NotImplementedField("prompt_logprobs", (), "null"),
+    NotImplementedField("allowed_token_ids", (), "null"),
+    NotImplementedField("bad_words", ([],), "[]"),
+    NotImplementedField("guided_json", (), "null"),
+    NotImplementedField("guided_regex", (), "null"),
+    NotImplementedField("guided_choice", (), "null"),
+    NotImplementedField("guided_grammar", (), "null"),
+    NotImplementedField("structured_outputs", (), "null"),
+    NotImplementedField("add_generation_prompt", (True,), "true"),
+    NotImplementedField("continue_final_message", (False,), "false"),
+    NotImplementedField("chat_template", (), "null"),
+    NotImplementedField("documents", ([],), "[]"),
+    # llama-server
+    NotImplementedField("grammar", ("",), '""'),
+    NotImplementedField("json_schema", ({},), "{}"),
+    NotImplementedField("mirostat", (0,), "0"),
+    NotImplementedField("tfs_z", (1,), "1"),
+    NotImplementedField("n_probs", (0,), "0"),
+    NotImplementedField("dry_multiplier", (0,), "0"),
+    NotImplementedField("xtc_probability", (0,), "0"),
+    NotImplementedField("repeat_penalty", (1,), "1 (the field here is repetition_penalty)"),
+)
+
+
 def json_equal(a: Any, b: Any) -> bool:
     """Equality as JSON Schema's `enum` sees it: 1 == 1.0, but true is not 1."""
     if isinstance(a, bool) or isinstance(b, bool):
@@ -181,7 +226,7 @@ GENERATION: tuple[Field, ...] = (
     Field("seed", _const({"type": _nullable("integer"), "minimum": -1, "maximum": SEED_LIMIT - 1}),
           "an integer below 2**64; -1 or null draws a fresh seed"),
     *(Field(f.name, (lambda f: lambda ctx: {"enum": [*f.neutral, None]})(f),
-            f"not implemented: only {f.shown} is accepted") for f in NOT_IMPLEMENTED),
+            f"not implemented: only {f.shown} is accepted") for f in NOT_IMPLEMENTED + PEER_FEATURES),
 )
 
 COMPLETION: tuple[Field, ...] = (

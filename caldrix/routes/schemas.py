@@ -31,6 +31,7 @@ from caldrix.routes.fields import (  # the declarations this validator and opena
     MAX_STOP_BYTES,
     MAX_STOPS,
     NOT_IMPLEMENTED,
+    PEER_FEATURES,
     ROLES,
     SEED_LIMIT,
     ModelLimits,
@@ -248,7 +249,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _refuse_not_implemented(body: dict[str, Any]) -> None:
-    for field in NOT_IMPLEMENTED:
+    for field in NOT_IMPLEMENTED + PEER_FEATURES:
         value = body.get(field.name)
         if value is not None and not field.is_neutral(value):
             raise ApiError.invalid(
