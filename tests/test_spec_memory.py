@@ -56,6 +56,7 @@ def test_another_pair_of_models_is_ignored_with_a_note(tmp_path):
     b'{"format": "caldrix-speculation-memory/1", "identity": "x", "tuner": {"kept": 1, "missed": 1, "seconds": {"0": 1}}}',
     b'[1, 2, 3]',
     b" " * 70_000,
+    b"[" * 32_000 + b"]" * 32_000,  # deeper than json's recursion: a RecursionError
 ])
 def test_a_corrupt_file_is_a_note_and_a_fresh_start(tmp_path, body):
     path = tmp_path / "spec.json"
@@ -116,3 +117,22 @@ def test_any_tuner_state_round_trips_exactly(tmp_path_factory, kept, missed, sec
     assert mem.load() == (state, None)
     raw = json.loads(path.read_text())
     assert raw["format"] == FORMAT and raw["identity"] == "id"
+
+
+def test_a_fifo_is_a_note_not_a_start_that_hangs(tmp_path):
+    import os
+
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    state, note = SpeculationMemory(path, "x").load()
+    assert state is None and "not a regular file" in note
+
+
+def test_the_tuner_never_divides_by_zero():
+    """Both counts 0 (a memory file may say so) divided by zero at the first greedy request and
+    took the server down."""
+    from caldrix.sched.speculate import DraftTuner
+
+    tuner = DraftTuner()
+    tuner.restore(TunerState(0.0, 0.0, ((1, 0.01), (2, 0.011))))  # as decay toward 0 could leave it
+    assert 0 <= tuner.next_length() <= 8

@@ -65,6 +65,9 @@ class SpeculationMemory:
         """(state, note): state None is a fresh start; note says why when it is not just a
         missing file."""
         try:
+            if self.path.is_fifo() or self.path.is_char_device() or self.path.is_socket():
+                # open() of a FIFO waits for a writer: the start would hang for good
+                return None, f"--speculation-memory {self.path}: not a regular file; starting fresh"
             with open(self.path, "rb") as f:
                 data = f.read(MAX_BYTES + 1)
         except FileNotFoundError:
@@ -81,6 +84,8 @@ class SpeculationMemory:
                 return None, (f"--speculation-memory {self.path}: written for another pair of models "
                               f"({raw.get('identity')!r}); ignored, starting fresh")
             return TunerState.from_json(raw.get("tuner")), None
+        except RecursionError:  # JSON nested deeper than the parser goes
+            return None, f"--speculation-memory {self.path}: unreadable (nested too deep); starting fresh"
         except (ValueError, UnicodeDecodeError) as e:
             return None, f"--speculation-memory {self.path}: unreadable ({e}); starting fresh"
 

@@ -117,7 +117,8 @@ class DraftTuner:
         one = self._seconds.get(1)
         if one is None:
             return 1
-        p = min(self._kept / (self._kept + self._missed), 0.99)
+        total = self._kept + self._missed  # never 0 from the start, but decay and a restored state can
+        p = min(self._kept / total, 0.99) if total > 0 else 2 / 3
         best, best_rate = 0, 1.0 / one
         for k in range(1, MAX_DRAFT_TOKENS + 1):
             t = self._seconds.get(k + 1, one * (1 + 0.05 * k))
