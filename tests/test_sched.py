@@ -200,6 +200,26 @@ def test_closing_the_receive_end_frees_the_slot_within_one_step():
     trio.run(main)
 
 
+def test_a_pass_of_several_tokens_ends_a_request_whose_client_left_once():
+    """A verify pass gives one request several events. When its route has gone, the first
+    failed send ends it; the rest must not end it again (each ending was counted in /metrics,
+    once per guess of the pass)."""
+    sub, events = make_sub([1], max_tokens=8, stop=frozenset())
+    seq = Sequence(sub)
+
+    class ThreeTokens(Policy):  # what a verify pass that kept two guesses hands back
+        def postprocess(self, work, out):
+            return [(seq, TokenEvent(t, None)) for t in (5, 6, 7)]
+
+    sched = Scheduler(FakeEngine(), ThreeTokens(SlotTable(1)), run_step=inline)
+    ended = []
+    sched.on_finish = ended.append
+    sched.policy.admit(seq)
+    events.close()  # the client left while the pass ran
+    sched._apply(None, None)
+    assert ended == [seq]
+
+
 def test_engine_failure_answers_every_request_with_an_error():
     class Broken(FakeEngine):
         def step(self, batch):

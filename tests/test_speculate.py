@@ -5,6 +5,7 @@ greedy replies are the tokens plain decoding gives."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -457,3 +458,23 @@ def test_http_speculative_usage_records_and_metrics(smollm2_dir):
         kept = [line for line in metrics.splitlines() if line.startswith("caldrix:spec_decode_accepted_tokens_total")]
         assert float(drafts[0].split()[-1]) == spec["proposed"] + streamed["proposed"]
         assert float(kept[0].split()[-1]) == spec["accepted"] + streamed["accepted"]
+
+        # A stop string that ends the reply inside a verify pass: the route stops listening, and
+        # the pass's later events for the request must not end it again (each was counted).
+        def e2e_count() -> float:
+            for line in httpx.get(srv.url + "/metrics").text.splitlines():
+                if line.startswith("caldrix:e2e_request_latency_seconds_count"):
+                    return float(line.split()[-1])
+            raise AssertionError("no e2e count")
+
+        para = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again. "
+        for stop in ([" lazy", "again"], ["fox"]):
+            before = e2e_count()
+            r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+                "model": body["model"], "prompt": para * 3, "max_tokens": 40, "temperature": 0, "stop": stop})
+            assert r.json()["choices"][0]["finish_reason"] == "stop"
+            deadline = time.monotonic() + 10
+            while e2e_count() == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)  # a second count, if any, lands within a step
+            assert e2e_count() == before + 1

@@ -261,8 +261,10 @@ class Scheduler:
     def _apply(self, work: Work, out: StepOutput) -> None:
         self._steps += 1
         now = time.monotonic()
+        ended: set[int] = set()  # a verify pass gives a sequence several events; one ending is final
         for seq, event in self.policy.postprocess(work, out):
-            self._emit(seq, event, now)
+            if id(seq) not in ended and not self._emit(seq, event, now):
+                ended.add(id(seq))
 
     def _fail(self, exc: Exception, requests) -> None:
         """The engine is gone; fail loudly, never silently."""
@@ -298,7 +300,10 @@ class Scheduler:
         busy = self._in_flight.seqs if self._in_flight is not None else ()
         return [seq for seq in self.policy.running if seq not in busy]
 
-    def _emit(self, seq: Sequence, event: TokenEvent, now: float) -> None:
+    def _emit(self, seq: Sequence, event: TokenEvent, now: float) -> bool:
+        """Send one event; False once the sequence has ended (its last event, or its route gone),
+        after which the rest of the pass's events for it are dropped: each would end it again
+        (counted again in /metrics, closed again)."""
         if event.token_id is not None:
             if not seq.t_first_token:
                 seq.t_first_token = now
@@ -308,9 +313,11 @@ class Scheduler:
             seq.sub.events.send_nowait(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._end(seq, FinishReason.ABORT)
-            return
+            return False
         if event.finish is not None:
             self._closed(seq)
+            return False
+        return True
 
     def _end(self, seq: Sequence, reason: FinishReason) -> None:
         self.policy.release(seq, reason)
