@@ -273,6 +273,66 @@ def test_the_converted_directory_is_the_gguf_model(smollm2_dir):
         assert torch.equal(model(batch).logits, reference(batch).logits)
 
 
+# llama.cpp's tokens for these texts in the embedded file (llama-cpp-python 0.3.36,
+# Llama(vocab_only=True).tokenize(text, add_bos=False, special=True)), whose "smollm"
+# pre-tokenizer splits each digit off first, as SmolLM2's own tokenizer.json does. transformers'
+# reading of the GGUF drops that split: "Steps:\n\n1." came out 21831, 42, 198, 198, 33, 30.
+LLAMA_CPP_IDS = {
+    "Steps:\n\n1.": [21831, 42, 1116, 33, 30],
+    "x =  42": [104, 446, 256, 36, 34],
+    "   123": [333, 33, 34, 35],
+    "In 2024, 3.14159 and \u00bd \u00b2 \u2167.": [788, 216, 34, 32, 34, 36, 28, 216, 35, 30, 33, 36, 33, 37, 41,
+                                                     284, 216, 16738, 216, 19133, 216, 173, 223, 117, 30],
+    "a\r\n7": [81, 2738, 39],
+}
+
+
+@pytest.mark.parametrize("text", LLAMA_CPP_IDS)
+def test_the_converted_tokenizer_splits_digits_as_the_gguf_says(smollm2_dir, text):
+    from caldrix.tokenizer import Tokenizer
+
+    assert Tokenizer.load(smollm2_dir).encode(text) == LLAMA_CPP_IDS[text]
+
+
+def test_a_gguf_of_an_architecture_the_engine_does_not_run_is_refused_before_reading(tmp_path, monkeypatch):
+    monkeypatch.setenv("CALDRIX_CACHE", str(tmp_path / "cache"))
+    data = bytearray(source.embedded_gguf().read_bytes())
+    at = data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8  # key, type, length
+    assert data[at : at + 5] == b"llama"
+    data[at : at + 5] = b"gpt2x"
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(data))
+    with pytest.raises(ModelNotFound, match=r"its architecture is 'gpt2x'; this engine runs GGUF files of llama, qwen3"):
+        gguf.convert(other, progress=False)
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_a_gguf_lacking_a_tensor_is_refused_not_filled_with_random_weights(tmp_path, monkeypatch):
+    """transformers fills a missing weight with random values and warns; the file is refused, as
+    llama.cpp refuses it. Here a layer's q projection is renamed out of the index."""
+    monkeypatch.setenv("CALDRIX_CACHE", str(tmp_path / "cache"))
+    data = bytearray(source.embedded_gguf().read_bytes())
+    name = b"blk.5.attn_q.weight"
+    at = data.index(name)
+    data[at : at + len(name)] = b"blk.5.attn_z.weight"
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(ModelNotFound, match=r"lacks 1 of the model's tensors.*layers\.5\.self_attn\.q_proj"):
+        gguf.convert(broken, progress=False)
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_an_edited_gguf_gets_its_own_cache_entry(tmp_path):
+    """Same size, same first and last MiB, one byte changed in the middle."""
+    a = tmp_path / "a.gguf"
+    data = bytearray(source.embedded_gguf().read_bytes())
+    a.write_bytes(bytes(data))
+    data[len(data) // 2] ^= 0xFF
+    b = tmp_path / "b.gguf"
+    b.write_bytes(bytes(data))
+    assert gguf.cache_key(a) == gguf.cache_key(source.embedded_gguf()) != gguf.cache_key(b)
+
+
 # --- fetch and models --------------------------------------------------------------------
 
 

@@ -37,6 +37,33 @@ class GgufTensor:
 def read_tensors(path: Path) -> dict[str, GgufTensor]:
     """Name -> tensor for every tensor of a GGUF file (data None for a type whose block size
     BLOCKS does not list). Raises ValueError on a file that is not GGUF v2/v3."""
+    _, alignment, infos, pos = _read_header(path, frozenset())
+    start = -(-pos // alignment) * alignment
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, ttype, dims, offset in infos:
+        if ttype not in BLOCKS:
+            out[name] = GgufTensor(name, ttype, dims, None)
+            continue
+        per_block, block_bytes = BLOCKS[ttype]
+        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        row_bytes = dims[0] // per_block * block_bytes
+        at = start + offset
+        out[name] = GgufTensor(name, ttype, dims, mapped[at : at + rows * row_bytes].reshape(rows, row_bytes))
+    return out
+
+
+def read_strings(path: Path, keys: frozenset[str]) -> dict[str, str]:
+    """The string values of the metadata `keys` that the file has (general.architecture,
+    tokenizer.ggml.pre), read the same way, without the tokenizer's arrays."""
+    strings, *_ = _read_header(path, keys)
+    return strings
+
+
+def _read_header(path: Path, keys: frozenset[str]) -> tuple[dict[str, str], int, list, int]:
+    """(the string values of `keys`, the alignment, (name, type, dims, offset) per tensor, the
+    end of the tensor infos)."""
+    strings: dict[str, str] = {}
     with open(path, "rb") as f:
         buf = f.read(1 << 20)
         pos = 0
@@ -95,6 +122,8 @@ def read_tensors(path: Path) -> dict[str, GgufTensor]:
             (vtype,) = take("<I")
             if key == "general.alignment" and vtype == _UINT32:
                 (alignment,) = take("<I")
+            elif key in keys and vtype == _STRING:
+                strings[key] = string()
             else:
                 skip(vtype)
         infos = []
@@ -104,17 +133,4 @@ def read_tensors(path: Path) -> dict[str, GgufTensor]:
             dims = take(f"<{n_dims}Q")
             ttype, offset = take("<IQ")
             infos.append((name, ttype, tuple(int(x) for x in dims), offset))
-        start = -(-pos // alignment) * alignment
-
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    out = {}
-    for name, ttype, dims, offset in infos:
-        if ttype not in BLOCKS:
-            out[name] = GgufTensor(name, ttype, dims, None)
-            continue
-        per_block, block_bytes = BLOCKS[ttype]
-        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        row_bytes = dims[0] // per_block * block_bytes
-        at = start + offset
-        out[name] = GgufTensor(name, ttype, dims, mapped[at : at + rows * row_bytes].reshape(rows, row_bytes))
-    return out
+    return strings, alignment, infos, pos
