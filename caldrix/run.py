@@ -19,6 +19,8 @@ def run_once(cfg: ServeConfig, prompt: str, *, chat: bool, max_tokens: int | Non
 
     with StepThread("caldrix load") as loader:  # its OpenMP team ends with it (sched/threads.py)
         rt = loader.call(load_runtime, cfg)
+    for note in rt.notes:  # what serve says among its start-up lines (auto's fallbacks among them)
+        print(f"caldrix: note: {note}", file=sys.stderr)
     tok = rt.tokenizer
     if chat:
         if not tok.has_chat_template:

@@ -328,6 +328,8 @@ def caldrix(*args: str, timeout: float = 300):
     (["serve", "--speculate", "ngram", "--draft-tokens", "9"], "--draft-tokens", "1..8"),
     (["serve", "--speculate", "ngram", "--ngram", "4:2"], "--ngram", "MIN <= MAX"),
     (["run", "--speculate", "ngram", "--ngram", "x", "hi"], "--ngram", "MIN:MAX"),
+    (["serve", "--speculate", "ngram", "--ngram", "2:512"], "--ngram", "MAX must be at most 16"),
+    (["serve", "--speculate", "draft", "--draft", "d", "--ngram", "2:4"], "--ngram", "no effect with --speculate draft"),
 ])
 def test_speculation_flags_refused_before_loading(args, flag, says):
     out = caldrix(*args)
@@ -386,6 +388,14 @@ def test_ngram_refused_on_the_host_lane(smollm2_dir):
     out = caldrix("run", str(smollm2_dir), "hi", "--speculate", "ngram", "--backend", "host", "--max-tokens", "2")
     assert out.returncode == 2, out.stderr
     assert "--speculate ngram: the host lane" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_run_says_what_auto_turned_off(smollm2_dir):
+    """serve's start-up notes, auto's fallbacks among them, are run's too (on stderr)."""
+    out = caldrix("run", str(smollm2_dir), "hi", "--speculate", "auto", "--max-batch", "2", "--max-tokens", "1",
+                  "--context", "256")
+    assert out.returncode == 0, out.stderr
+    assert any(line.startswith("caldrix: note: ") and "speculation" in line for line in out.stderr.splitlines()), out.stderr
 
 
 def test_run_prints_the_plain_reply_and_the_guesses_kept(smollm2_dir):
