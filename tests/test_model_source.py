@@ -128,6 +128,14 @@ def test_the_default_alias_not_in_the_cache_also_offers_the_embedded_copy(hf_cac
         resolve("smollm2-135m-instruct")
 
 
+def test_a_repo_id_shaped_folder_that_is_no_model_says_so(hf_cache, tmp_path, monkeypatch):
+    (tmp_path / "models" / "notamodel").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFound, match=r"run `caldrix fetch models/notamodel` first \(\./models/notamodel is a "
+                                            r"directory here, but not a model directory: it has no config\.json"):
+        resolve("models/notamodel")
+
+
 def test_a_repo_id_not_in_the_cache_says_to_fetch_it(hf_cache):
     with pytest.raises(ModelNotFound, match=r"run `caldrix fetch someone/absent` first"):
         resolve("someone/absent")

@@ -165,6 +165,9 @@ def _from_hf_cache(repo_id: str, *, fetch_as: str) -> ModelSource:
         hint = ""
         if entry is not None and entry.alias == registry.DEFAULT_ALIAS:
             hint = ", or give no MODEL to use the embedded Q4_1 copy of it"
+        elif Path(fetch_as).is_dir():  # read as a repo id, but a folder of that name is here
+            missing = ", ".join(missing_parts(Path(fetch_as)))
+            hint = f" (./{fetch_as} is a directory here, but not a model directory: it has no {missing})"
         raise ModelNotFound(
             f"{repo_id} is not in the Hugging Face cache on this machine; "
             f"run `caldrix fetch {fetch_as}` first{hint}"
