@@ -225,7 +225,8 @@ def _gone(srv, bases: set[str]) -> tuple[str, list[dict]]:
     assert probes_of(srv, base) == recs
     assert [r["id"] for r in recs] == [f"{base}.{i}" for i in range(len(recs))]
     assert 3 <= len(recs) < 640 and {r["status"] for r in recs} == {499}
-    assert recs[0]["prefix_rows"] == 0 and all(r["finish_reason"] == "stop" for r in recs[:-1])
+    # the client saw none of the answers: each prompt's record says abort, as a completion's would
+    assert recs[0]["prefix_rows"] == 0 and all(r["finish_reason"] == "abort" for r in recs)
     length = recs[1]["prefix_rows"]  # the later prompts start from the kept state
     assert length > 0 and all(r["prefix_rows"] == length for r in recs[1:-1])
     return base, recs
@@ -248,7 +249,6 @@ def test_a_client_gone_midway_drops_the_kept_state(server):
     wait_for(lambda: metric(srv, "num_kept_states") == 0, "the kept state to be dropped", 5)
     wait_for(lambda: metric(srv, "num_requests_running") == 0, "the slot to be free", 5)
     base, recs = _gone(srv, bases)
-    assert recs[-1]["finish_reason"] in ("abort", "stop")  # running when it left, or just read
     bases.add(base)
 
     # 2. gone while a later prompt waits in the queue behind a completion that holds the slot
