@@ -5,7 +5,7 @@ tokenizer: SmolLM2's plus SmolVLM's added tokens, tests/vision_util.py), then
   1. idle: one streamed text-only request, its inter-token latencies (ITL);
      (measured before and after the loaded run, pooled: this machine's load drifts);
   2. loaded: the same text request while 8 image requests (detail `--detail`) arrive at once;
-     /metrics' caldrix_image_decoding gauge is sampled every 20 ms throughout.
+     /metrics' caldrix:num_images_decoding gauge is sampled every 20 ms throughout.
 Prints the gauge's maximum (the limiter must hold it at 2), the image requests' wall times
 (each answers 4 tokens), and the text stream's median and p90 ITL idle and loaded (the aim:
 loaded within 2x of idle).
@@ -120,8 +120,8 @@ def main() -> None:
                 with httpx.Client(timeout=30) as http:
                     while not stop.is_set():
                         for line in http.get(base + "/metrics").text.splitlines():
-                            if line.startswith("caldrix_image_decoding "):
-                                seen.append(float(line.split()[1]))
+                            if line.startswith("caldrix:num_images_decoding{"):
+                                seen.append(float(line.split()[-1]))
                         time.sleep(0.02)
 
             watcher = threading.Thread(target=watch)
@@ -146,7 +146,7 @@ def main() -> None:
     took = sorted(seconds for _, seconds in statuses)
     print(f"image requests' wall time (s): first {took[0]:.1f}, median {statistics.median(took):.1f}, "
           f"last {took[-1]:.1f}")
-    print(f"caldrix_image_decoding: max {max(seen):.0f} over {len(seen)} samples "
+    print(f"caldrix:num_images_decoding: max {max(seen):.0f} over {len(seen)} samples "
           f"(samples at 2: {sum(1 for x in seen if x == 2)})")
     print(f"text ITL idle:   median {statistics.median(idle) * 1000:.1f} ms, p90 {q(idle, 0.9):.1f} ms")
     print(f"text ITL loaded: median {statistics.median(loaded) * 1000:.1f} ms, p90 {q(loaded, 0.9):.1f} ms "

@@ -152,8 +152,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="GPU lanes: bytes of weights kept on the device (e.g. 2GiB); the other layers stream "
                         "from pinned host memory each pass")
     g.add_argument("--prefill-chunk", type=_int_at_least(1), default=None,
-                   help="prompt tokens per prefill chunk (default 512 where 4-bit prompt chunks run on AMX beside "
-                        "decode steps, else 128); a step packs chunks of several prompts up to 128 tokens, or this if less")
+                   help="prompt tokens per prefill chunk (default 512 where prompt chunks run beside decode steps, "
+                        "else 128); a step packs chunks of several prompts up to 128 tokens, or this if less")
     g.add_argument("--served-name", default=None, help="the model name the server answers to")
     g.add_argument("--speculate", choices=["off", "ngram", "auto", "draft"], default="off",
                    help="speculative decoding, single-stream (--max-batch 1): ngram proposes from the request's own "

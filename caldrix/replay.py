@@ -320,7 +320,9 @@ def main(path: str, url: str = DEFAULT_URL, *, concurrency: int | None = None, s
     if limit is not None:
         trace = Trace(trace.header, trace.requests[:limit])
     try:
-        httpx.URL(base_url(url)).copy_with(path="/v1/models")
+        parsed = httpx.URL(base_url(url))
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError("it needs http:// or https:// and a host")
     except (httpx.InvalidURL, TypeError, ValueError) as exc:
         print(f"caldrix: --url {url!r} is not a URL: {exc}", file=sys.stderr)
         return 2

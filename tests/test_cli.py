@@ -181,8 +181,9 @@ def test_replay_refuses_a_url_it_cannot_parse_and_reads_a_small_vocabulary(tmp_p
     path = tmp_path / "t.jsonl"
     path.write_text('{"trace": "caldrix", "version": 1, "vocab_size": 500}\n'
                     '{"arrival": 0, "prompt_tokens": 40, "completion_tokens": 2, "blocks": ["a1", "b2"]}\n')
-    assert replay.main(str(path), "http://[::1") == 2
-    assert "is not a URL" in capsys.readouterr().err
+    for url in ("http://[::1", "notaurl", "ftp://127.0.0.1:9"):
+        assert replay.main(str(path), url) == 2
+        assert "is not a URL" in capsys.readouterr().err
     # a test model's 500-token vocabulary: every id under it, none refused for want of a range
     ids = replay.synthetic_prompt(replay.load_trace(path).requests[0], 16, 500)
     assert len(ids) == 40 and all(0 <= i < 500 for i in ids)

@@ -201,7 +201,10 @@ def _template_kwargs(body: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     if not isinstance(raw, dict):
         raise ApiError.invalid(f"must be an object, got {_kind(raw)}", "chat_template_kwargs")
     for key in raw:
-        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+        if not key.isidentifier():
+            raise ApiError.invalid(f'"{_clip(key)}" is not a name a template can read',
+                                   f"chat_template_kwargs.{_clip(key)}")
+        if key in RESERVED_TEMPLATE_KWARGS:
             raise ApiError.invalid(
                 f'"{_clip(key)}" cannot be set here: the server gives the template its messages and '
                 "generation prompt", f"chat_template_kwargs.{_clip(key)}")
