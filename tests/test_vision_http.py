@@ -136,6 +136,21 @@ def test_several_images_with_details(client, tiny):
     assert got.usage.prompt_tokens == len(ids)
 
 
+def test_text_parts_side_by_side_are_joined_with_a_newline(client, tiny):
+    """http-api.md: text parts are joined with a newline before the template, on the vision
+    server too (SmolVLM's own template runs them together). The prompt is the template's for
+    the joined text, as transformers renders it."""
+    _, tok, _ = tiny
+    parts = [{"type": "text", "text": "cat"}, {"type": "text", "text": "dog"}]
+    got = chat(client, [{"role": "user", "content": parts}], max_tokens=2)
+    joined = [{"role": "user", "content": [{"type": "text", "text": "Hello\nworld"}]}]
+    want = tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
+    assert got.usage.prompt_tokens == len(tok.encode(want, add_special_tokens=False))
+    run_together = [{"role": "user", "content": parts}]
+    apart = tok.apply_chat_template(run_together, tokenize=False, add_generation_prompt=True)
+    assert len(tok.encode(apart, add_special_tokens=False)) != got.usage.prompt_tokens  # the test can tell
+
+
 def test_streamed_reply_is_the_same(client, tiny):
     messages = ask([image_part(url("image/png", encoded("PNG", 40, 40, 7)))])
     stream = client.chat.completions.create(model="m", messages=messages, max_tokens=6, stream=True,
