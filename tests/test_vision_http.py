@@ -143,7 +143,7 @@ def test_text_parts_side_by_side_are_joined_with_a_newline(client, tiny):
     _, tok, _ = tiny
     parts = [{"type": "text", "text": "cat"}, {"type": "text", "text": "dog"}]
     got = chat(client, [{"role": "user", "content": parts}], max_tokens=2)
-    joined = [{"role": "user", "content": [{"type": "text", "text": "Hello\nworld"}]}]
+    joined = [{"role": "user", "content": [{"type": "text", "text": "cat\ndog"}]}]
     want = tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
     assert got.usage.prompt_tokens == len(tok.encode(want, add_special_tokens=False))
     run_together = [{"role": "user", "content": parts}]
