@@ -88,9 +88,15 @@ def vocab_mismatch(target_dir: Path, draft_dir: Path, target_tok, draft_tok, tar
     return None
 
 
+IDENTITY_SAMPLES = 16  # slices of each weight file read into its identity
+IDENTITY_SLICE = 64 * 1024
+
+
 def model_identity(path: Path) -> str:
-    """A short digest naming a model's weights: its config.json and its weight files' names
-    and sizes (cheap; a re-quantized or retrained model changes one of them)."""
+    """A short digest naming a model's weights: its config.json, and its weight files' names,
+    sizes and IDENTITY_SAMPLES slices of their bytes spread over each file (about 1 MiB read a
+    file). Sizes alone named a retrained model of the same shapes as the old one, whose tuner
+    state then passed for its own; a retrained or re-quantized model changes every slice."""
     import hashlib
 
     h = hashlib.sha256()
@@ -98,9 +104,11 @@ def model_identity(path: Path) -> str:
     h.update(cfg.read_bytes() if cfg.exists() else b"")
     for f in sorted(path.iterdir()):
         if f.suffix in (".safetensors", ".gguf", ".bin", ".pt"):
-            h.update(f"{f.name}:{f.stat().st_size};".encode())
-    src = path / "source.json"  # a converted GGUF names its file
-    if src.exists():
-        h.update(src.read_bytes())
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size};".encode())
+            with f.open("rb") as fh:
+                for i in range(IDENTITY_SAMPLES):
+                    fh.seek(size * i // IDENTITY_SAMPLES)
+                    h.update(fh.read(IDENTITY_SLICE))
     return h.hexdigest()[:16]
 

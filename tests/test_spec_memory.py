@@ -136,3 +136,17 @@ def test_the_tuner_never_divides_by_zero():
     tuner = DraftTuner()
     tuner.restore(TunerState(0.0, 0.0, ((1, 0.01), (2, 0.011))))  # as decay toward 0 could leave it
     assert 0 <= tuner.next_length() <= 8
+
+
+def test_a_retrained_model_of_the_same_shapes_is_another_identity(tmp_path):
+    """The identity the memory file is kept under: same config and file sizes, other weights."""
+    from caldrix.draft import model_identity
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, seed in ((a, 1), (b, 2)):
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (d / "model.safetensors").write_bytes(bytes((seed * 7 + i) % 256 for i in range(300_000)))
+    assert (a / "model.safetensors").stat().st_size == (b / "model.safetensors").stat().st_size
+    assert model_identity(a) != model_identity(b)
+    assert model_identity(a) == model_identity(a)
