@@ -1039,3 +1039,29 @@ def test_sigterm_cuts_a_long_stream_cleanly_before_the_deadline(smollm2_dir: Pat
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
     assert err["message"] == "the server is shutting down" and err["type"] == "service_unavailable_error"
+
+
+def test_a_greedy_reply_does_not_depend_on_the_request_before_it(smollm2_dir: Path):
+    """One slot (--max-batch 1): a chat that shares only the chat template's head with the one
+    before it left held rows for part of its prompt. Reused as they were, the rest of the prompt
+    ran as a short chunk, whose matmuls are not the fresh run's, and the reply took another
+    turn; reused in whole chunks it is the reply the request gets after anything else."""
+    story = {"messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+             "max_tokens": 48, "ignore_eos": True, "return_token_ids": True}
+    with ServerProcess.start(smollm2_dir, "--context", "2048") as srv:
+        name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+
+        def post(path: str, body: dict) -> dict:
+            r = httpx.post(srv.url + path, json={"model": name, **body}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        replies = []
+        for before in (("/v1/completions", {"prompt": "Count: 1 2 3", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}),
+                       ("/v1/chat/completions", story),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a color."}],
+                                                 "max_tokens": 3})):
+            post(*before)
+            replies.append(post("/v1/chat/completions", story)["choices"][0]["token_ids"])
+    assert all(r == replies[0] for r in replies), [r[:12] for r in replies]

@@ -4,8 +4,9 @@ Work comes in two kinds, one per lane of the loop (loop.py):
 - decode: every running sequence that has finished its prompt decodes one token;
 - prefill: prefilling sequences get prompt chunks within a per-step token budget.
 A chunk always ends on a multiple of `chunk` positions or before the prompt's last token, which
-runs alone last, so a prompt is cut the same way whether it runs alone, beside others, or after
-a slot's held rows. A read-only prompt's last chunk takes its last token too.
+runs alone last, and held rows are reused only in whole chunks (or all but that last token), so a
+prompt is cut the same way whether it runs alone, beside others, or after a slot's held rows. A
+read-only prompt's last chunk takes its last token too, and it reuses any held prefix.
 
 Kept states (Submission.lease, the decider reading's state read once): a prompt with
 `keep_state` is read from its start and cut so that a chunk ends exactly at the lease's length,
@@ -71,7 +72,11 @@ class Policy:
         """Give seq a slot. The caller checks `can_admit` first."""
         lease = seq.sub.lease
         # A prompt of a lease reads from its start or from the kept state, never from held rows.
-        got = self.slots.try_acquire(seq.prompt, reuse=seq.sub.reuse_prefix and lease is None)
+        # Held rows are reused in whole chunks (SlotTable.try_acquire), so a reply never depends
+        # on what ran before it; a read-only prompt (a /v1/systemone question) has no reply to
+        # keep so and reuses any common prefix (systemone.md says how its reading may differ).
+        align = 1 if seq.sub.is_read_only else self.chunk
+        got = self.slots.try_acquire(seq.prompt, reuse=seq.sub.reuse_prefix and lease is None, align=align)
         assert got is not None, "admit() without a free slot"
         seq.slot, seq.prefix_rows = got
         written_from = seq.prefix_rows

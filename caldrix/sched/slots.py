@@ -46,34 +46,38 @@ class SlotTable:
     def num_busy(self) -> int:
         return self.num_slots - self.num_free
 
-    def try_acquire(self, prompt: tuple[int, ...], *, reuse: bool) -> tuple[int, int] | None:
+    def try_acquire(self, prompt: tuple[int, ...], *, reuse: bool, align: int = 1) -> tuple[int, int] | None:
         """Take a free slot for `prompt`: (slot, reused rows), or None when every slot is busy.
 
         Prefers the free slot holding the longest prefix of the prompt, then the least recently
         used. At least the last prompt token is always recomputed: its logits pick the first
-        reply token.
+        reply token. A prefix that stops short of that token is reused only down to a multiple
+        of `align` (the policy's chunk): the rows computed after it are then cut into the same
+        chunks as in a fresh run, and a chunk's row count picks its kernel, so they get the
+        same bits (a 13-row chunk and a 37-row one take different matmuls on the 4-bit engine).
         """
         free = [s for s in range(self.num_slots) if not self.busy[s]]
         if not free:
             return None
         if reuse:
-            slot = max(free, key=lambda s: (self._reusable(s, prompt), -self._last_used[s]))
-            rows = self._reusable(slot, prompt)
+            slot = max(free, key=lambda s: (self._reusable(s, prompt, align), -self._last_used[s]))
+            rows = self._reusable(slot, prompt, align)
         else:
             slot, rows = min(free, key=lambda s: self._last_used[s]), 0
         self.busy[slot] = True
         self.held[slot] = prompt[:rows]
         return slot, rows
 
-    def _reusable(self, slot: int, prompt: tuple[int, ...]) -> int:
+    def _reusable(self, slot: int, prompt: tuple[int, ...], align: int = 1) -> int:
         """Rows of `prompt` that free `slot` can skip: its common prefix with what the slot holds,
-        short of the prompt's last token; where the state is recurrent, all the held tokens or
-        none."""
+        short of the prompt's last token, and down to a multiple of `align` unless it reaches
+        that token; where the state is recurrent, all the held tokens or none."""
         held = self.held[slot]
         common = common_prefix(held, prompt)
         if not self.reuse_rows:
             return common if common == len(held) and common <= len(prompt) - 1 else 0
-        return min(common, len(prompt) - 1)
+        rows = min(common, len(prompt) - 1)
+        return rows if rows == len(prompt) - 1 else rows // align * align
 
     def release(self, slot: int, held: tuple[int, ...]) -> None:
         """Free `slot`; its first len(held) rows stay valid for reuse."""
