@@ -654,3 +654,24 @@ def test_check_order_is_fixed():
     assert refusal(parse_chat, body, CTX, GREEDY).param == "max_tokens"
     del body["max_tokens"]
     assert refusal(parse_chat, body, CTX, GREEDY).param == "top_p"
+
+
+@pytest.mark.parametrize("field, literal, param, says", [
+    ("seed", "1" + "0" * 5000, "seed", "got an integer of more than 4300 digits"),
+    ("seed", "-1" + "0" * 5000, "seed", "got a negative integer of more than 4300 digits"),
+    ("top_p", "1" + "0" * 5000, "top_p", "got an integer of more than 4300 digits"),
+    ("top_k", "1" + "0" * 5000, None, None),  # read as any k past the vocabulary: keeps every token
+    ("max_tokens", "1" + "0" * 5000, None, None),  # capped to the context's room, as any large cap
+])
+def test_integers_past_pythons_digit_limit_meet_their_fields_rule(field, literal, param, says):
+    """docs/http.md: integers are read at any size, so a 5001-digit literal is refused (or taken)
+    by its field's rule, not as "not valid JSON" with a hint about sys.set_int_max_str_digits."""
+    raw = ('{"model": "%s", "prompt": "hi", "%s": %s}' % (CTX.served_name, field, literal)).encode()
+    body = parse_body(raw)
+    if param is None:
+        req = parse_completion(body, CTX, GREEDY)
+        assert field != "top_k" or req.sampling.top_k == 0
+        assert field != "max_tokens" or req.max_tokens > CTX.context
+        return
+    err = refusal(parse_completion, body, CTX, GREEDY)
+    assert (err.param, err.message.endswith(says)) == (param, True), err.message

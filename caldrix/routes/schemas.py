@@ -118,7 +118,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise ApiError.invalid(f"the request body is not UTF-8: {e.reason} at byte {e.start}")
     try:
-        body = strictjson.loads(text)
+        body = strictjson.loads(text, parse_int=_int_literal)
     except strictjson.DuplicateKey as e:
         raise ApiError.invalid(f'duplicate key "{e.key}" in the request body', e.path)
     except RecursionError:
@@ -130,6 +130,19 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if strictjson.lone_surrogate(text, body):
         raise ApiError.invalid("the request body holds an unpaired UTF-16 surrogate escape")
     return body
+
+
+# Python's int() refuses a literal of more than 4300 digits (quadratic time to convert). Such a
+# literal is past every bound a field here has, so it is read as 10**4300 with its sign: the
+# field's own rule then clamps it (top_k) or refuses it by name (seed), as for any large value.
+_INT_DIGITS = 4300
+_HUGE = 10**_INT_DIGITS
+
+
+def _int_literal(text: str) -> int:
+    if len(text) - text.startswith("-") <= _INT_DIGITS:
+        return int(text)
+    return -_HUGE if text.startswith("-") else _HUGE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,6 +609,8 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
+        if abs(value) >= _HUGE:  # read from a literal past Python's digit limit (_int_literal)
+            return f"{'a negative' if value < 0 else 'an'} integer of more than {_INT_DIGITS} digits"
         return _clip(str(value))
     if isinstance(value, float):
         return repr(value)  # shortest round-trip; inf for a literal past a double's range
