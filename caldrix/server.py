@@ -54,6 +54,8 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
     from caldrix.app import create_app
 
+    contain_connection_failures()
+
     # The bounded request channel: it holds the requests waiting beyond the running ones
     # (--queue-depth); a full queue is a 429 at the route (request_queue.py).
     queue, submit_rx = RequestQueue.open(cfg.queue_depth, lambda: rt.scheduler.statistics().free_slots)
@@ -127,6 +129,40 @@ def finish_shielded(app):
             await app(scope, receive, send)
 
     return asgi
+
+
+def contain_connection_failures() -> None:
+    """Keep a connection's failure in that connection.
+
+    hypercorn (0.18) runs each connection as a task of its listeners' nursery, and its
+    TCPServer.run lets any error but OSError out, which ends that nursery: the whole server. A
+    client that sends part of a body, then hangs up while the 413 or 415 refusing it is being
+    written, made one: hypercorn's error response for the cut body met the refusal still on the
+    socket (trio.BusyResourceError), and the process exited, every stream cut without an error
+    event. Here a connection's task closes its connection on any Exception and logs one line;
+    cancellation and KeyboardInterrupt pass as before. Installed once, before hypercorn's serve
+    builds its connections (it looks the class up in hypercorn.trio.run at that time)."""
+    import hypercorn.trio.run as hypercorn_run
+
+    base = hypercorn_run.TCPServer
+    if getattr(base, "contained", False):
+        return
+
+    class ContainedTCPServer(base):
+        contained = True
+
+        async def run(self) -> None:
+            try:
+                await super().run()
+            except Exception as exc:
+                log.warning("caldrix: a connection ended in %s; closed it, the server goes on", type(exc).__name__)
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.stream.aclose()
+                    except Exception:  # already gone
+                        pass
+
+    hypercorn_run.TCPServer = ContainedTCPServer
 
 
 def check_bindable(host: str, port: int) -> None:

@@ -709,6 +709,30 @@ def test_a_compressed_body_is_415_naming_its_encoding(http, model):
     assert r.status_code == 200, r.text
 
 
+def test_clients_that_hang_up_on_a_refused_body_leave_the_server_up(server, http, model):
+    """Part of a body, then the client hangs up while the 413 (or 415) is written: hypercorn's
+    own error response for the cut body met the refusal on the socket, its connection task
+    raised, and that ended the whole server (server.contain_connection_failures)."""
+    import socket
+
+    heads = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 5000000\r\n\r\n",
+             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Encoding: gzip\r\nContent-Length: 5000\r\n\r\n")
+    for i in range(40):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(heads[i % 2] + b'{"model": "x", "prompt": "' + b"a" * 1000)
+            s.shutdown(socket.SHUT_WR)
+            try:
+                s.recv(65536)
+            except OSError:
+                pass
+    assert server.proc.poll() is None, server.stderr
+    assert http.get("/healthz", timeout=10).text == "ok"
+    r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
 def test_chunked_body_over_4_mib_is_413(http, model):
     """Without a Content-Length the limit is found while reading."""
     def chunks():
