@@ -670,6 +670,30 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(http, server, model, toke
     assert done["health"] < done["big"]
 
 
+def test_a_large_body_is_parsed_off_the_event_loop(http, server, model):
+    """Just under 4 MiB of a two-million-element array and a duplicate key: parsing it (twice,
+    the second time to find the duplicate) takes about a second, and on the event loop /healthz
+    sent meanwhile waited for its 400, as every stream did."""
+    pad = b"0," * (2 * 2**20 - 64)
+    body = b'{"model": "%s", "prompt": "hi", "pad": [%s0], "pad": 1}' % (model.encode(), pad)
+    assert len(body) < 4 * 2**20
+    done: dict[str, float] = {}
+
+    def big() -> None:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+            r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        done["big"] = time.monotonic()
+        assert_error(r, 400, "pad", 'duplicate key "pad" in the request body')
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.3)  # the body is up; parsing it takes about a second on two cores
+    assert http.get("/healthz").status_code == 200
+    done["health"] = time.monotonic()
+    thread.join()
+    assert done["health"] < done["big"]
+
+
 @pytest.mark.parametrize("bad", ["vocab", -1])
 def test_token_ids_out_of_vocabulary(http, model, vocab_size, bad):
     tid = vocab_size if bad == "vocab" else bad

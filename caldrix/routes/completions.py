@@ -13,7 +13,7 @@ import logging
 import time
 
 import trio
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, current_app
 
 from caldrix.routes.responses import json_response
 from caldrix.generate import EngineFailed, EngineStopped, GenRequest, QueueFull, pieces, submit
@@ -21,7 +21,7 @@ from caldrix.protocol import FinishReason
 from caldrix.routes import backoff, sse
 from caldrix.routes.debug import refuse, tracked
 from caldrix.routes.errors import ApiError
-from caldrix.routes.prompt_ids import LIMITER_KEY, build, check_fits
+from caldrix.routes.prompt_ids import LIMITER_KEY, build, check_fits, parsed
 from caldrix.routes.schemas import ModelLimits, parse_body, parse_chat, parse_completion, reply_budget
 from caldrix.tokenizer import ChatTemplateError
 
@@ -53,11 +53,18 @@ def limits(rt) -> ModelLimits:
     )
 
 
+def _completion(raw: bytes, ctx: ModelLimits, sampling, seed):
+    return parse_completion(parse_body(raw), ctx, sampling, default_seed=seed)
+
+
+def _chat(raw: bytes, ctx: ModelLimits, sampling, seed):
+    return parse_chat(parse_body(raw), ctx, sampling, default_seed=seed)
+
+
 @bp.post("/v1/completions")
 async def completions():
     rt, _ = _state()
-    body = parse_body(await request.get_data(cache=False))
-    req = parse_completion(body, limits(rt), rt.cfg.sampling, default_seed=rt.cfg.seed)
+    req = await parsed(_completion, limits(rt), rt.cfg.sampling, rt.cfg.seed)
     if isinstance(req.prompt, tuple):
         ids = req.prompt
     else:
@@ -69,8 +76,7 @@ async def completions():
 @bp.post("/v1/chat/completions")
 async def chat_completions():
     rt, _ = _state()
-    body = parse_body(await request.get_data(cache=False))
-    req = parse_chat(body, limits(rt), rt.cfg.sampling, default_seed=rt.cfg.seed)
+    req = await parsed(_chat, limits(rt), rt.cfg.sampling, rt.cfg.seed)
     texts = [m.content for m in req.messages]
     check_fits(rt.tokenizer, texts, rt.context, "messages")
     size = sum(map(len, texts))

@@ -23,7 +23,7 @@ import json
 import logging
 
 import trio
-from quart import Blueprint, current_app, g, request
+from quart import Blueprint, current_app, g
 
 from caldrix.decider.systemone import DeciderReading
 from caldrix.routes.responses import json_response
@@ -33,7 +33,7 @@ from caldrix.request_queue import RequestQueue
 from caldrix.routes import backoff
 from caldrix.routes.debug import refuse
 from caldrix.routes.errors import ApiError
-from caldrix.routes.prompt_ids import LIMITER_KEY
+from caldrix.routes.prompt_ids import LIMITER_KEY, parsed
 from caldrix.systemone import jsonlex
 from caldrix.systemone.reading import NotFinite, Plan, Probe, Reading, ZeroShot, answer
 from caldrix.systemone.request import parse_body, parse_request
@@ -61,9 +61,8 @@ def reading_for(rt) -> Reading:
 @bp.post(ROUTE)
 async def systemone():
     rt, queue = current_app.extensions["caldrix"]
-    body = parse_body(await request.get_data(cache=False))
     reading = reading_for(rt)
-    req = parse_request(body, rt.served_name, reading.limits)
+    req = await parsed(lambda raw: parse_request(parse_body(raw), rt.served_name, reading.limits))
     if rt.cfg.max_batch > 1:
         raise ApiError.invalid(NEEDS_SINGLE_STREAM, None)
     reading.check_model()
