@@ -116,12 +116,26 @@ def finish_shielded(app):
     """
 
     async def asgi(scope, receive, send):
+        gone = False  # the client hung up under this response: the rest of it has no reader
+
+        async def send_or_drop(message) -> None:
+            nonlocal gone
+            if gone:
+                return
+            try:
+                await send(message)
+            except trio.BusyResourceError:
+                # The client hung up while its refusal was written (a 413 or 415 with the body
+                # unread), and hypercorn's own error response for the cut body holds the socket.
+                gone = True
+                log.debug("a response met a connection closing under it")
+
         async def send_last_shielded(message) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 with trio.CancelScope(shield=True):
-                    await send(message)
+                    await send_or_drop(message)
             else:
-                await send(message)
+                await send_or_drop(message)
 
         if scope["type"] == "http":
             await app(scope, receive, send_last_shielded)
@@ -155,7 +169,7 @@ def contain_connection_failures() -> None:
             try:
                 await super().run()
             except Exception as exc:
-                log.warning("caldrix: a connection ended in %s; closed it, the server goes on", type(exc).__name__)
+                log.warning("a connection ended in %s; closed it, the server goes on", _leaf_names(exc))
                 with trio.CancelScope(shield=True):
                     try:
                         await self.stream.aclose()
@@ -163,6 +177,13 @@ def contain_connection_failures() -> None:
                         pass
 
     hypercorn_run.TCPServer = ContainedTCPServer
+
+
+def _leaf_names(exc: BaseException) -> str:
+    """The exception's type, or the types inside a (nested) exception group, sorted."""
+    if isinstance(exc, BaseExceptionGroup):
+        return ", ".join(sorted({name for e in exc.exceptions for name in _leaf_names(e).split(", ")}))
+    return type(exc).__name__
 
 
 def check_bindable(host: str, port: int) -> None:
