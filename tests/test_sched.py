@@ -114,19 +114,28 @@ def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
         policy.postprocess(work, StepOutput((RunOutput(token),)))
     assert seq.finish is FinishReason.LENGTH
     assert slots.held[seq.slot] == (5, 6, 7, 8, 40)  # the last token has no KV row yet
-    # 5 rows in common, reused down to a whole chunk (4): the rest is cut as a fresh run cuts it
+    # the next turn of what the slot holds: all of it reused
     again, _ = make_sub([5, 6, 7, 8, 40, 9, 9])
     s2 = Sequence(again)
     policy.admit(s2)
-    assert (s2.slot, s2.prefix_rows) == (seq.slot, 4)
+    assert (s2.slot, s2.prefix_rows) == (seq.slot, 5)
     (run,) = policy.schedule_prefill().batch.runs
-    assert run.start == 4 and run.token_ids == (40, 9)
+    assert run.start == 5 and run.token_ids == (9,)
+    policy.running.clear()
+    slots.release(s2.slot, (5, 6, 7, 8, 40, 9))
+    # another request that shares 5 rows of them: reused down to a whole chunk (4), so the rest
+    # is cut as a fresh run cuts it
+    other = Sequence(make_sub([5, 6, 7, 8, 40, 1, 2, 3])[0])
+    policy.admit(other)
+    assert (other.slot, other.prefix_rows) == (seq.slot, 4)
+    (run,) = policy.schedule_prefill().batch.runs
+    assert run.start == 4 and run.token_ids == (40, 1, 2, 3)[:3]
     fresh = Policy(SlotTable(1), chunk=4, prefill_budget=64)
-    alone = Sequence(make_sub([5, 6, 7, 8, 40, 9, 9])[0])
+    alone = Sequence(make_sub([5, 6, 7, 8, 40, 1, 2, 3])[0])
     fresh.admit(alone)
     fresh.postprocess(fresh.schedule_prefill(), StepOutput((RunOutput(()),)))  # the first chunk, 0..4
     (second,) = fresh.schedule_prefill().batch.runs
-    assert (second.start, second.token_ids) == (4, (40, 9))  # the same chunk as over held rows
+    assert (second.start, second.token_ids) == (run.start, run.token_ids)  # the same chunk as over held rows
     # an identical prompt still recomputes its last token, whose logits pick the reply
     same, _ = make_sub([5, 6, 7])
     s3 = Sequence(same)

@@ -51,10 +51,12 @@ class SlotTable:
 
         Prefers the free slot holding the longest prefix of the prompt, then the least recently
         used. At least the last prompt token is always recomputed: its logits pick the first
-        reply token. A prefix that stops short of that token is reused only down to a multiple
-        of `align` (the policy's chunk): the rows computed after it are then cut into the same
-        chunks as in a fresh run, and a chunk's row count picks its kernel, so they get the
-        same bits (a 13-row chunk and a 37-row one take different matmuls on the 4-bit engine).
+        reply token. A prefix that stops short of that token, and short of all the slot holds
+        (another request's, not an earlier turn of this conversation), is reused only down to a
+        multiple of `align` (the policy's chunk): the rows computed after it are then cut into
+        the same chunks as in a fresh run, and a chunk's row count picks its kernel, so they get
+        the same bits (a 13-row chunk and a 37-row one take different matmuls on the 4-bit
+        engine), and a reply never depends on an unrelated request before it.
         """
         free = [s for s in range(self.num_slots) if not self.busy[s]]
         if not free:
@@ -71,13 +73,19 @@ class SlotTable:
     def _reusable(self, slot: int, prompt: tuple[int, ...], align: int = 1) -> int:
         """Rows of `prompt` that free `slot` can skip: its common prefix with what the slot holds,
         short of the prompt's last token, and down to a multiple of `align` unless it reaches
-        that token; where the state is recurrent, all the held tokens or none."""
+        that token or covers all the slot holds; where the state is recurrent, all the held
+        tokens or none."""
         held = self.held[slot]
         common = common_prefix(held, prompt)
         if not self.reuse_rows:
             return common if common == len(held) and common <= len(prompt) - 1 else 0
         rows = min(common, len(prompt) - 1)
-        return rows if rows == len(prompt) - 1 else rows // align * align
+        if rows == len(prompt) - 1 or (held and common == len(held)):
+            # all but the last token (a repeated prompt), or everything the slot holds (the next
+            # turn of the conversation it held: reused whole, and, as docs/serve.md says, it can
+            # differ in a late token from the same prompt sent fresh)
+            return rows
+        return rows // align * align
 
     def release(self, slot: int, held: tuple[int, ...]) -> None:
         """Free `slot`; its first len(held) rows stay valid for reuse."""
