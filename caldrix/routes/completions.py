@@ -216,9 +216,10 @@ async def _sse(stream, head: dict, chat: bool, req, prompt_tokens: int):
         nonlocal role
         choice: dict = {"finish_reason": finish.value if finish else None, "index": 0}
         if chat:
-            # an empty reply's only delta says content "", as the non-streamed message does
-            choice["delta"] = {**role, "content": ""} if text is None and role else (
-                {} if text is None else {**role, "content": text})
+            delta = dict(role)
+            if text is not None or role:  # an empty reply's only delta says content "", as its message does
+                delta["content"] = text or ""
+            choice["delta"] = delta
             role = {}
         else:
             choice["text"] = text or ""
