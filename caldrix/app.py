@@ -23,6 +23,9 @@ VISION_MAX_BODY = 32 * 2**20  # a vision server's, on every route (http-api.md);
 
 def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
     app = QuartTrio("caldrix")
+    # "/v1//completions" is no route (a 404 in the error shape), as on vLLM's server: merged,
+    # it was a 308 redirect with an HTML body, which routing sends past the error handlers.
+    app.url_map.merge_slashes = False
     # A vision model's image state, with the one server-wide image decode limiter: made here,
     # under serve()'s root nursery, and shared by every request handler.
     vision = None

@@ -817,6 +817,8 @@ def test_allowed_origins_flag():
 def test_unknown_route_is_404_and_wrong_method_405(http):
     assert_error(http.get("/v1/nope"), 404, None)
     assert_error(http.post("/v1/embeddings", json={}), 404, None)
+    assert_error(http.post("/v1//completions", json={}), 404, None)  # not an HTML redirect
+    assert_error(http.get("/v1/models/"), 404, None)
     wrong = http.get("/v1/completions")
     err = assert_error(wrong, 405, None)
     assert "method" in err["message"]
