@@ -67,6 +67,9 @@ def _origins(text: str) -> tuple[str, ...]:
     return found
 
 
+MAX_NGRAM = 16  # the longest suffix --ngram may look up
+
+
 def _ngram(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition(":")
     try:
@@ -81,8 +84,6 @@ def _ngram(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"MAX must be at most {MAX_NGRAM}, got {text!r}")
     return a, b
 
-
-MAX_NGRAM = 16  # the longest suffix --ngram may look up
 
 
 def check_speculation(args: argparse.Namespace) -> str | None:

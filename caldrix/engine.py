@@ -62,18 +62,6 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
             "float16": torch.float16, "fp16": torch.float16}[name]
 
 
-def _check_state_fits(model, slots: int, rows: int) -> None:
-    """MemoryError when the per-slot state (the KV cache) would need more memory than the process
-    may still take (caldrix/memory.py). Its rows are mapped lazily as they are first written, so
-    without this a cache past the machine's memory starts and is killed by the kernel mid-reply
-    once enough rows fill; llama-server and vLLM reserve theirs whole at start, and so refuse
-    there. Sized on the meta device: nothing is allocated."""
-    need = type(model).new_state(model.cfg, slots, rows, model.dtype, "meta").nbytes
-    room = memory.available_bytes()
-    if room is not None and need > room:
-        raise MemoryError(f"the KV cache needs {memory.gib(need)} and {memory.gib(room)} of memory is available")
-
-
 class Engine:
     """Runs Batches on a model (models/base.py's contract) with `max_batch` slots of `context`
     rows; the llama family's Decoder is today's, loaded by Engine.load."""
@@ -156,7 +144,7 @@ class Engine:
         weight_plan = stream_layers(model, weight_budget, device) if stream else None
         ctx = min(getattr(model.cfg, "max_positions", 8192), 8192) if context is None else context
         if device == "cpu":
-            _check_state_fits(model, max_batch + (got.row_count_dependent and max_batch > 1), ctx)
+            memory.check_state_fits(model, max_batch + (got.row_count_dependent and max_batch > 1), ctx)
         engine = cls(model, max_batch=max_batch, context=ctx, device=device, pad_decode=got.row_count_dependent)
         engine.int4_layers, engine.int4_head, engine.q8_embed = got.int4_layers, got.int4_head, got.q8_embed
         engine.int4_ours, engine.scripted_rows, engine.scripted_pass = got.int4_ours, got.scripted_rows, got.scripted_pass

@@ -1,9 +1,10 @@
 """How much more memory this process may take: the kernel's MemAvailable, capped by the room left
 under the process's cgroup limit (a container's --memory), which MemAvailable does not see.
 
-Read by Engine.load before it reserves the KV cache: the cache's rows are mapped lazily as they
-are written, so a reservation past this figure would start fine and be killed by the kernel
-mid-reply once enough rows filled. None where /proc is not readable (not Linux): no check then.
+Read by Engine.load before it reserves the KV cache (`check_state_fits`): the cache's rows are
+mapped lazily as they are written, so a reservation past this figure would start fine and be
+killed by the kernel mid-reply once enough rows filled. None where /proc is not readable (not
+Linux): no check then.
 """
 
 from __future__ import annotations
@@ -65,3 +66,15 @@ def available_bytes(proc: Path = PROC, cgroup_root: Path = CGROUP) -> int | None
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def check_state_fits(model, slots: int, rows: int) -> None:
+    """MemoryError when `model`'s per-slot state (the KV cache) for `slots` slots of `rows` rows
+    would need more than `available_bytes()`. The rows are mapped lazily as they are first
+    written, so without this a cache past the machine's memory starts and is killed by the
+    kernel mid-reply once enough rows fill; llama-server and vLLM reserve theirs whole at start,
+    and so refuse there. Sized on the meta device (the model's `new_state`): nothing is allocated."""
+    need = type(model).new_state(model.cfg, slots, rows, model.dtype, "meta").nbytes
+    room = available_bytes()
+    if room is not None and need > room:
+        raise MemoryError(f"the KV cache needs {gib(need)} and {gib(room)} of memory is available")

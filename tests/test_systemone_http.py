@@ -186,6 +186,19 @@ def test_tiny_qwen3_against_transformers(tiny_qwen3):
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
     with ServerProcess.start(path, "--dtype", "float32", "--max-batch", "1") as srv:
         _check_against_reference(srv, model, path)
+        # chat on the same server: chat_template_kwargs and an earlier turn's reasoning_content
+        # reach the template (the prompt is transformers' for the same arguments)
+        tok = AutoTokenizer.from_pretrained(str(path))
+        name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        history = [{"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}]
+        for kwargs in ({}, {"enable_thinking": False}):
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                "model": name, "messages": history, "max_tokens": 1, "chat_template_kwargs": kwargs or None})
+            assert r.status_code == 200, r.text
+            want = tok.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False,
+                                           **kwargs)
+            assert r.json()["usage"]["prompt_tokens"] == len(want)
 
 
 # --- the embedded model: reference, refusals, telemetry ---------------------------------------

@@ -133,6 +133,22 @@ PEER_FEATURES: tuple[NotImplementedField, ...] = (
 )
 
 
+# stream_options a client may send at their off value (what this server sends anyway): OpenAI's
+# include_obfuscation (the openai packages' types carry it) and vLLM's continuous_usage_stats
+# (usage on every chunk).
+OFF_ONLY_STREAM_OPTIONS = ("include_obfuscation", "continuous_usage_stats")
+
+# Variables the server itself gives the chat template (or apply_chat_template's own parameters):
+# a chat_template_kwargs key among them is refused rather than let it replace the messages or
+# the generation prompt.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+    "raise_exception", "strftime_now",
+})
+
+
 def json_equal(a: Any, b: Any) -> bool:
     """Equality as JSON Schema's `enum` sees it: 1 == 1.0, but true is not 1."""
     if isinstance(a, bool) or isinstance(b, bool):
@@ -209,8 +225,7 @@ GENERATION: tuple[Field, ...] = (
     Field("stream", _const({"type": _nullable("boolean")}), "send server-sent events"),
     Field("stream_options", _const({"type": _nullable("object"), "additionalProperties": False,
                                     "properties": {"include_usage": {"type": _nullable("boolean")},
-                                                   "include_obfuscation": {"enum": [False, None]},
-                                                   "continuous_usage_stats": {"enum": [False, None]}}}),
+                                                   **{k: {"enum": [False, None]} for k in OFF_ONLY_STREAM_OPTIONS}}}),
           'only with "stream": true'),
     Field("ignore_eos", _const({"type": _nullable("boolean")}), "treat end of sequence as an ordinary token"),
     Field("return_token_ids", _const({"type": _nullable("boolean")}), "add each generated token's id"),

@@ -9,8 +9,12 @@ model, the field the endpoint refuses (prompt on chat, messages on completions),
 not-implemented fields, the chat template, then the prompt or messages, then the generation
 options, then the sampling knobs.
 
-Why one file of over 400 lines: the two endpoints share every rule but the prompt, and that
-fixed order of checks is the contract; split across files it would be read out of order.
+Why one file of about 600 lines: the two endpoints share every rule but the prompt, and that
+fixed order of checks is the contract; split across files it would be read out of order. What is
+declaration rather than rule (the fields, their limits and neutral values, the template
+variables the server keeps to itself) lives in routes/fields.py, which openapi.py reads too, and
+the JSON reading itself (duplicate keys, surrogates, integers past Python's digit limit) in
+routes/strictjson.py.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from caldrix.routes.fields import (  # the declarations this validator and opena
     MAX_STOP_BYTES,
     MAX_STOPS,
     NOT_IMPLEMENTED,
+    OFF_ONLY_STREAM_OPTIONS,
     PEER_FEATURES,
+    RESERVED_TEMPLATE_KWARGS,
     ROLES,
     SEED_LIMIT,
     ModelLimits,
@@ -118,7 +124,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise ApiError.invalid(f"the request body is not UTF-8: {e.reason} at byte {e.start}")
     try:
-        body = strictjson.loads(text, parse_int=_int_literal)
+        body = strictjson.loads(text, parse_int=strictjson.bounded_int)
     except strictjson.DuplicateKey as e:
         raise ApiError.invalid(f'duplicate key "{e.key}" in the request body', e.path)
     except RecursionError:
@@ -130,19 +136,6 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if strictjson.lone_surrogate(text, body):
         raise ApiError.invalid("the request body holds an unpaired UTF-16 surrogate escape")
     return body
-
-
-# Python's int() refuses a literal of more than 4300 digits (quadratic time to convert). Such a
-# literal is past every bound a field here has, so it is read as 10**4300 with its sign: the
-# field's own rule then clamps it (top_k) or refuses it by name (seed), as for any large value.
-_INT_DIGITS = 4300
-_HUGE = 10**_INT_DIGITS
-
-
-def _int_literal(text: str) -> int:
-    if len(text) - text.startswith("-") <= _INT_DIGITS:
-        return int(text)
-    return -_HUGE if text.startswith("-") else _HUGE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,17 +187,6 @@ def parse_chat(
     messages = _messages(body.get("messages"), ctx)
     return ChatRequest(model=model, messages=messages, template_kwargs=_template_kwargs(body),
                        **_generation(body, defaults, default_seed))
-
-
-# Variables the server itself gives the template (or apply_chat_template's own parameters): a
-# chat_template_kwargs key among them is refused rather than let it replace the messages or the
-# generation prompt.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
-    "raise_exception", "strftime_now",
-})
 
 
 def _template_kwargs(body: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -495,11 +477,6 @@ def _include_usage(raw: Any, stream: bool) -> bool:
     return _flag(raw, "include_usage", param="stream_options.include_usage")
 
 
-# stream_options a client may send at their off value: OpenAI's include_obfuscation (the openai
-# packages' types carry it; false asks for what this server sends) and vLLM's
-# continuous_usage_stats (usage on every chunk).
-OFF_ONLY_STREAM_OPTIONS = ("include_obfuscation", "continuous_usage_stats")
-
 
 def _user(raw: Any) -> str | None:
     if raw is not None and not isinstance(raw, str):
@@ -609,8 +586,8 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
-        if abs(value) >= _HUGE:  # read from a literal past Python's digit limit (_int_literal)
-            return f"{'a negative' if value < 0 else 'an'} integer of more than {_INT_DIGITS} digits"
+        if abs(value) >= strictjson.HUGE:  # read from a literal past Python's digit limit (bounded_int)
+            return f"{'a negative' if value < 0 else 'an'} integer of more than {strictjson.INT_DIGITS} digits"
         return _clip(str(value))
     if isinstance(value, float):
         return repr(value)  # shortest round-trip; inf for a literal past a double's range

@@ -1,7 +1,8 @@
 """JSON request bodies read strictly: a duplicate key is an error naming its path, NaN and
 Infinity are not JSON, and a string may not hold an unpaired UTF-16 surrogate. Shared by the
 completions validator (routes/schemas.py) and /v1/systemone's lexeme-keeping parser
-(systemone/jsonlex.py), which differ only in how they read numbers."""
+(systemone/jsonlex.py), which differ only in how they read numbers (`bounded_int` is the
+validator's reading of integers)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,20 @@ def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _reject_constant(name: str) -> Any:
     # Python's json reads NaN and Infinity; JSON has neither.
     raise ValueError(f"{name} is not a JSON value")
+
+
+# Python's int() refuses a literal of more than 4300 digits (quadratic time to convert).
+INT_DIGITS = 4300
+HUGE = 10**INT_DIGITS
+
+
+def bounded_int(text: str) -> int:
+    """A parse_int hook: an integer literal exactly, or, past INT_DIGITS digits, HUGE with its
+    sign: past every bound a field of a request has, so the field's own rule clamps or refuses
+    it, where int() would have failed the whole body as "not valid JSON"."""
+    if len(text) - text.startswith("-") <= INT_DIGITS:
+        return int(text)
+    return -HUGE if text.startswith("-") else HUGE
 
 
 def loads(text: str, **hooks: Any) -> Any:
