@@ -83,6 +83,9 @@ class RequestRecord:
     blocks: tuple[str, ...]  # block_digests of the prompt: in the trace, not in /debug/requests
     speculative: tuple[int, int] | None = None  # (proposed, accepted) guesses; None: did not speculate
     sampler: str = "cpu"  # the pick of sampled tokens: "cpu" (run.md) or "device" (the AMD lane's)
+    # The end of sequence was an ordinary token (the request's ignore_eos, or a model without
+    # one): with the sampling settings, what it takes to reproduce the reply.
+    ignore_eos: bool = False
 
     def to_json(self) -> dict:
         """The /debug/requests form: everything but the digests."""
@@ -96,6 +99,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "max_tokens": self.max_tokens,
+            "ignore_eos": self.ignore_eos,
             "sampling": sampling_json(self.sampling),
             "prefix_rows": self.prefix_rows,
             "batch_sizes": [list(p) for p in self.batch_sizes],
@@ -160,6 +164,7 @@ class _SchedHalf:
     blocks: tuple[str, ...]
     speculative: tuple[int, int] | None
     sampler: str
+    ignore_eos: bool
 
 
 @attrs.frozen
@@ -242,6 +247,7 @@ class Telemetry:
             blocks=block_digests(sub.prompt_ids, self.salt, self.block_tokens) if captured else (),
             speculative=(seq.proposed, seq.accepted) if seq.speculating else None,
             sampler=self.sampler,
+            ignore_eos=not sub.is_read_only and not sub.stop_token_ids,
         )
         other = self._pending.pop(sub.request_id, None)
         if isinstance(other, _RouteHalf):
@@ -261,14 +267,14 @@ class Telemetry:
             self._wait(rid, half)
 
     def refused(self, rid: str, *, route: str, status: int, prompt_ids: tuple[int, ...], max_tokens: int,
-                sampling: SamplingParams, stream: bool, captured: bool = True) -> None:
+                sampling: SamplingParams, stream: bool, ignore_eos: bool, captured: bool = True) -> None:
         """A request refused at submission (429 queue full, 503 engine gone): never scheduled."""
         rec = RequestRecord(
             id=rid, route=route, status=status, finish_reason=None, arrived=time.time(),
             queued=None, first_token=None, end=None, prompt_tokens=len(prompt_ids), completion_tokens=0,
             max_tokens=max_tokens, sampling=sampling, prefix_rows=0, batch_sizes=(), stream=stream,
             blocks=block_digests(prompt_ids, self.salt, self.block_tokens) if captured else (),
-            sampler=self.sampler,
+            sampler=self.sampler, ignore_eos=ignore_eos,
         )
         if captured:
             self.ring.append(rec)
@@ -308,6 +314,7 @@ class Telemetry:
             prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, max_tokens=s.max_tokens,
             sampling=s.sampling, prefix_rows=s.prefix_rows, batch_sizes=s.batch_sizes,
             stream=r.stream if r else False, blocks=s.blocks, speculative=s.speculative, sampler=s.sampler,
+            ignore_eos=s.ignore_eos,
         )
         if s.captured:
             self.ring.append(rec)

@@ -138,7 +138,7 @@ def test_debug_requests_name_the_sampler():
     for name in ("cpu", "device"):
         tel = Telemetry.create("m", 4, sampler=name)
         tel.refused("r1", route="chat", status=429, prompt_ids=(1, 2), max_tokens=3,
-                    sampling=SamplingParams(temperature=0.5, seed=7), stream=False)
+                    sampling=SamplingParams(temperature=0.5, seed=7), stream=False, ignore_eos=False)
         assert tel.records()[0].to_json()["sampler"] == name
         assert next(tel.trace())["sampler"] == name
 

@@ -33,7 +33,7 @@ TRACES = sorted((ROOT / "traces").glob("*.jsonl"))
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 RECORD_KEYS = {"id", "route", "status", "finish_reason", "arrived", "timings", "prompt_tokens", "completion_tokens",
                "max_tokens", "sampling", "prefix_rows", "batch_sizes", "stream",
-               "speculative", "sampler"}
+               "speculative", "sampler", "ignore_eos"}
 TRACE_KEYS = {"arrival", "id", "route", "status", "finish_reason", "prompt_tokens", "completion_tokens", "max_tokens",
               "sampling", "stream", "blocks", "prefix_rows", "timings"}
 
@@ -163,7 +163,7 @@ def test_image_requests_are_counted_but_never_captured():
 
 def test_refusals_and_pending_halves_stay_bounded():
     tel = Telemetry.create("m", ring_size=2)
-    tel.refused("q1", route="/v1/completions", status=429, prompt_ids=tuple(range(20)), max_tokens=5,
+    tel.refused("q1", route="/v1/completions", status=429, prompt_ids=tuple(range(20)), max_tokens=5, ignore_eos=False,
                 sampling=SamplingParams(), stream=False)
     (rec,) = tel.records()
     assert (rec.status, rec.finish_reason, rec.prompt_tokens, rec.completion_tokens, rec.end) == (429, None, 20, 0, None)
@@ -348,7 +348,8 @@ def test_debug_requests_carry_settings_never_text(http, model, server):
         "temperature": 0.8, "top_p": 0.9, "seed": 12345, "stop": [marker]})
     assert chat.status_code == 200, chat.text
     with http.stream("POST", "/v1/completions", json={
-            "model": model, "prompt": f"{marker} {marker}", "max_tokens": 3, "stream": True}) as s:
+            "model": model, "prompt": f"{marker} {marker}", "max_tokens": 3, "stream": True,
+            "ignore_eos": True}) as s:
         assert s.status_code == 200
         s.read()
     newest(http, "/debug/requests", 1, after={chat.json()["id"]})  # until the stream's record is in
@@ -359,6 +360,9 @@ def test_debug_requests_carry_settings_never_text(http, model, server):
     assert rc["id"] == chat.json()["id"] and rc["route"] == "/v1/chat/completions" and rs["route"] == "/v1/completions"
     assert (rc["status"], rc["stream"], rs["stream"]) == (200, False, True)
     assert rc["finish_reason"] in ("length", "stop") and rc["max_tokens"] == 3
+    # A sampled reply that ran past its end of sequence is reproducible from the record alone.
+    assert (rc["ignore_eos"], rs["ignore_eos"]) == (False, True)
+    assert (rs["finish_reason"], rs["completion_tokens"]) == ("length", 3)
     assert rc["prompt_tokens"] == chat.json()["usage"]["prompt_tokens"]
     assert rc["completion_tokens"] >= chat.json()["usage"]["completion_tokens"]
     assert rc["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9, "min_p": 0.0,

@@ -90,7 +90,8 @@ def refuse(rid: str, gen: GenRequest, status: int, *, stream: bool) -> None:
     request (one with embeddings) is logged and counted but never enters the replay ring."""
     g.caldrix_request_id = rid
     _telemetry().refused(rid, route=_route(), status=status, prompt_ids=gen.prompt_ids, max_tokens=gen.max_tokens,
-                         sampling=gen.sampling, stream=stream, captured=not gen.embeds)
+                         sampling=gen.sampling, stream=stream, ignore_eos=not gen.stop_token_ids,
+                         captured=not gen.embeds)
 
 
 def tracked(rid: str, pieces: AsyncIterator[Piece], *, stream: bool) -> AsyncIterator[Piece]:
