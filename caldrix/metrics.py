@@ -11,14 +11,15 @@ several servers can live in one process. Who updates what:
   from the routes) observes the latency histograms and moves the token and finish counters;
 - the app's after_request hook counts responses by handler, method and status, and refusals;
 - the running, waiting and KV-slot gauges are read at scrape time from Scheduler.statistics()
-  and the request channel's statistics(), by a collector of their own: nothing keeps a copy.
+  and the request channel's statistics(), by a collector of their own: nothing keeps a copy;
+- the process_* series (memory, CPU time, fds) are prometheus_client's ProcessCollector's.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
@@ -137,6 +138,11 @@ class Metrics:
         for reason in REJECT_REASONS.values():
             self._rejected.labels(model_name, reason)
         reg.register(_Live(model_name, lambda: self._read_live()))
+        if registry is None:
+            # The process_* series a default prometheus_client registry has (resident memory,
+            # CPU seconds, open fds), as vLLM's /metrics does; unprefixed and unlabelled there too.
+            # Several servers in one process (tests) each report the same process.
+            ProcessCollector(registry=reg)
 
     def read_live_from(self, read: Callable[[], object]) -> None:
         """Where the scrape-time gauges come from: a callable returning SchedStats (or None)."""

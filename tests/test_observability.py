@@ -320,6 +320,11 @@ def test_metrics_counters_move_with_requests(http, model):
     assert val(after, "caldrix:num_requests_running") == 0 and val(after, "caldrix:num_requests_waiting") == 0
     assert val(after, "caldrix:kv_cache_usage_perc") == 0 and val(after, "caldrix:num_kv_slots") == 2
     assert val(after, "caldrix:kv_cache_held_rows") >= 43
+    # The server process's own series, as vLLM's /metrics has them (a model's weights alone are
+    # past 50 MiB; the listening socket and the clients' connections are open fds).
+    assert val(after, "process_resident_memory_bytes") > 50 * 2**20
+    assert 3 <= val(after, "process_open_fds") < val(after, "process_max_fds")
+    assert delta("process_cpu_seconds_total") > 0
 
 
 def test_metrics_labels_stay_bounded_and_refusals_count_only_generating_routes(http, model):
