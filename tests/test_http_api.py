@@ -757,6 +757,22 @@ def test_clients_that_hang_up_on_a_refused_body_leave_the_server_up(server, http
     assert r.status_code == 200, r.text
 
 
+def test_a_client_that_leaves_mid_upload_leaves_a_log_line(server, http, model):
+    """No response is ever written for it, so the log line is the request's only trace."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1234\r\n\r\n" + b'{"model": "x", ')
+        time.sleep(0.3)
+    line = "request - POST /v1/chat/completions the client left before its body was read (Content-Length 1234)"
+    deadline = time.monotonic() + 10
+    while line not in server.stderr and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert line in server.stderr
+    assert http.get("/healthz", timeout=10).text == "ok"
+
+
 def test_chunked_body_over_4_mib_is_413(http, model):
     """Without a Content-Length the limit is found while reading."""
     def chunks():

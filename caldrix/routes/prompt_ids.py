@@ -17,11 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import logging
+
 import trio
 
 from caldrix.routes.errors import ApiError
 
 T = TypeVar("T")
+log = logging.getLogger("caldrix.request")
 
 INLINE_CHARS = 8192  # about 6 ms of tokenizing on one core: below this, no thread hop
 # A request body past this is parsed and checked on a worker thread too: a 4 MiB body of half a
@@ -63,7 +66,14 @@ async def parsed(parse: Callable[..., T], *args: Any) -> T:
     abandons the thread's result. Call in the request's context."""
     from quart import current_app, request
 
-    raw = await request.get_data(cache=False)
+    try:
+        raw = await request.get_data(cache=False)
+    except trio.Cancelled:
+        # A client that hangs up mid-upload cancels its handler here (hypercorn's disconnect):
+        # no response is sent, so this is the request's only trace in the log.
+        log.info("request - %s %s the client left before its body was read (Content-Length %s)",
+                 request.method, request.path, request.headers.get("Content-Length", "-"))
+        raise
     if len(raw) <= INLINE_BODY_BYTES:
         return parse(raw, *args)
     return await trio.to_thread.run_sync(parse, raw, *args, limiter=current_app.extensions[LIMITER_KEY],
