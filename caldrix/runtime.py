@@ -232,6 +232,9 @@ def load_runtime(cfg: ServeConfig) -> Runtime:
     except DraftRefused as e:
         raise e.args[0] from None
     notes = (*kernel_notes(lane), *context_notes(engine), *notes)
+    if tokenizer.vocab_size > engine.vocab_size:  # added tokens the embedding was never resized for
+        notes = (*notes, f"the tokenizer has {tokenizer.vocab_size} tokens and the model embeds {engine.vocab_size}; "
+                         "a prompt holding one of the others is refused (400)")
     # A step packs short prompts up to PREFILL_CHUNK tokens however long a chunk may be (a long
     # prompt's chunk still runs, alone): eight short prompts in one 512-token step waited for
     # each other, 8-stream TTFT p50 about 430 against 290 ms (bench/serve.py --quick, AMX Xeon).

@@ -34,6 +34,8 @@ from pathlib import Path
 import attrs
 import torch
 
+from caldrix.weights.tensor_files import model_files
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _ALIGN = 256  # byte alignment of each tensor in a packed layer (CUDA's allocation granularity)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -149,7 +151,7 @@ def sizes_of_model(model_dir: Path, itemsize: int | None = None) -> tuple[int, t
     Bytes are as stored, or with `itemsize` as floating-point tensors cast to a dtype of that
     many bytes would take (a float32 file loaded in bfloat16 halves)."""
     named: list[tuple[str, int]] = []
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
+    for f in model_files(Path(model_dir)):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))

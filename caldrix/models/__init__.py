@@ -30,15 +30,22 @@ CLASS_NAMES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
 
 def model_type(path: Path) -> str:
     """The architecture a Hugging Face directory holds, as a key of ARCHITECTURES; ValueError,
-    naming what is supported, where it is none of them."""
+    naming what is supported, where it is none of them.
+
+    config.json's `model_type` decides, as it does for transformers' Auto classes: a Mistral
+    config whose `architectures` says LlamaForCausalLM is a Mistral (with its sliding window),
+    and is refused. The class names count only in a config without `model_type`."""
     raw = json.loads((Path(path) / "config.json").read_text())
     archs = raw.get("architectures") or []
-    found = next((CLASS_NAMES[a] for a in archs if a in CLASS_NAMES), None)
-    if found is None and not archs and raw.get("model_type") in ARCHITECTURES:
-        found = raw["model_type"]  # a config saved without `architectures` (e.g. from a GGUF)
+    declared = raw.get("model_type")
+    if declared:
+        found = declared if declared in ARCHITECTURES else None
+    else:
+        found = next((CLASS_NAMES[a] for a in archs if a in CLASS_NAMES), None)
     if found is None:
-        raise ValueError(f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                         f"this engine runs {', '.join(sorted(ARCHITECTURES))}")
+        what = (f"model_type {declared!r}" + (f" (architectures {archs!r})" if archs else "")
+                if declared and any(a in CLASS_NAMES for a in archs) else repr(archs or declared))
+        raise ValueError(f"unsupported architecture {what}; this engine runs {', '.join(sorted(ARCHITECTURES))}")
     return found
 
 

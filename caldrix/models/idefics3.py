@@ -26,7 +26,7 @@ from torch import nn
 
 from caldrix.kernels.packed import can_pack
 from caldrix.models.base import Attend, KVCache
-from caldrix.models.llama import Decoder, DecoderConfig
+from caldrix.models.llama import Decoder, DecoderConfig, refuse_unimplemented
 from caldrix.models.siglip import SiglipConfig, SiglipVisionTower, siglip_state
 
 
@@ -63,9 +63,8 @@ class Idefics3Config:
         text = raw.get("text_config") or {}
         if text.get("model_type", "llama") != "llama":
             raise ValueError(f"unsupported Idefics3 text model {text.get('model_type')!r}; only llama is implemented")
+        refuse_unimplemented(text)
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in (None, "default"):
-            raise ValueError("unsupported rope_type; only default RoPE is implemented")
         heads = text.get("num_attention_heads", 32)
         hidden = text.get("hidden_size", 4096)
         vision = SiglipConfig.from_dict(raw.get("vision_config") or {})
@@ -159,17 +158,15 @@ def load_idefics3(path: Path, dtype: torch.dtype, device="cpu") -> Idefics3:
     model.vision_model.*, model.connector.modality_projection.proj.weight, model.text_model.*,
     lm_head.weight), cast to `dtype` tensor by tensor as read. Without lm_head.weight the
     head is the token table (tied)."""
-    from caldrix.weights.tensor_files import TensorFiles
+    from caldrix.weights.tensor_files import MissingWeight, TensorFiles, model_files
 
     cfg = Idefics3Config.from_dir(path)
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+    files = model_files(path)
     with TensorFiles(files) as hf:
 
         def take(name: str) -> torch.Tensor:
             if name not in hf:
-                raise KeyError(f"weight {name} missing from {path}")
+                raise MissingWeight(path, name)
             return hf.get(name).to(dtype)
 
         tied = "lm_head.weight" not in hf

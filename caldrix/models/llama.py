@@ -47,20 +47,14 @@ class DecoderConfig:
 
     @classmethod
     def from_dir(cls, path: Path) -> "DecoderConfig":
+        from caldrix.models import model_type  # the package's one reading of an architecture
+
         raw = json.loads((Path(path) / "config.json").read_text())
-        archs = raw.get("architectures") or []
-        arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
-        if arch is None and not archs and raw.get("model_type") in SUPPORTED.values():
-            arch = raw["model_type"]  # a config saved without `architectures` (e.g. from a GGUF)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"this engine runs {', '.join(SUPPORTED)}"
-            )
+        arch = model_type(path)
+        if arch not in SUPPORTED.values():
+            raise ValueError(f"not a {' or '.join(SUPPORTED.values())} model: {arch!r}")
+        refuse_unimplemented(raw)
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}; only default RoPE is implemented")
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         heads = raw["num_attention_heads"]
         return cls(
@@ -77,6 +71,34 @@ class DecoderConfig:
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_positions=raw.get("max_position_embeddings", 2048),
         )
+
+
+def refuse_unimplemented(raw: dict) -> None:
+    """ValueError naming the first field of a llama-family config.json that would make the
+    model compute otherwise than this file does: a scaled RoPE, biases, an activation other
+    than SiLU, sliding-window layers. transformers honours each, so serving the weights without
+    it would give other replies with no sign of why."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}; only default RoPE is implemented")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ValueError(f"unsupported {flag}: true; the llama-family layers here have no biases")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; the llama-family MLP here uses silu")
+    # transformers' Qwen3: a window only with use_sliding_window, on the layers layer_types
+    # (or, without it, max_window_layers) marks; without the switch every layer attends fully.
+    layer_types = raw.get("layer_types") or ()
+    if raw.get("use_sliding_window") and raw.get("sliding_window") is not None:
+        windowed = (any(t == "sliding_attention" for t in layer_types) if layer_types
+                    else raw.get("max_window_layers", 0) < raw.get("num_hidden_layers", 0))
+    else:
+        windowed = False
+    if windowed:
+        raise ValueError(f"unsupported sliding-window attention (use_sliding_window, sliding_window "
+                         f"{raw.get('sliding_window')}); every layer here attends to the whole context")
 
 
 class RMSNorm(nn.Module):

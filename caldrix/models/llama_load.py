@@ -37,7 +37,7 @@ from caldrix.kernels.q4 import (
 from caldrix.models.base import Loaded
 from caldrix.models.llama import Decoder, DecoderConfig
 from caldrix.weights.gguf_index import read_tensors
-from caldrix.weights.tensor_files import TensorFiles
+from caldrix.weights.tensor_files import MissingWeight, TensorFiles, model_files
 
 
 def load(path: Path, *, dtype: torch.dtype, device: str = "cpu", int4_from: Path | None = None,
@@ -304,17 +304,14 @@ def load_decoder(path: Path, dtype: torch.dtype, device="cpu", skip: frozenset[s
 
 
 def _tensor_files(path: Path):
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    return TensorFiles(files)
+    return TensorFiles(model_files(path))
 
 
 def _stored_name(hf, name: str, path: Path) -> str:
     for prefix in ("model.", ""):
         if prefix + name in hf:
             return prefix + name
-    raise KeyError(f"weight {name} missing from {path}")
+    raise MissingWeight(path, ("" if name.startswith("lm_head") else "model.") + name)
 
 
 def read_embedding(path: Path, dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:

@@ -43,22 +43,20 @@ def load_qwen35(path: Path, dtype: torch.dtype, device="cpu", pack: bool = True)
     head's are never read. q/k/v, the four linear-layer input projections and gate/up are
     fused into one matmul each; norm weights become float32 scales 1 + w and A_log becomes
     -exp(A_log), both from the `dtype`-rounded weights, as transformers computes them."""
-    from caldrix.weights.tensor_files import TensorFiles
+    from caldrix.weights.tensor_files import MissingWeight, TensorFiles, model_files
 
     path = Path(path)
     cfg = Qwen35Config.from_dir(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+    files = model_files(path)
     ours: dict[str, torch.Tensor] = {}
     with TensorFiles(files) as hf:
         prefix = next((p for p in ("model.language_model.", "model.", "") if p + "embed_tokens.weight" in hf), None)
         if prefix is None:
-            raise KeyError(f"no embed_tokens.weight in {path}")
+            raise MissingWeight(path, "model.language_model.embed_tokens.weight")
 
         def take(name: str, head: str = prefix) -> torch.Tensor:
             if head + name not in hf:
-                raise KeyError(f"weight {head + name} missing from {path}")
+                raise MissingWeight(path, head + name)
             return hf.get(head + name).to(dtype)
 
         def scale(name: str) -> torch.Tensor:

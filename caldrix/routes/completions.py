@@ -21,7 +21,7 @@ from caldrix.protocol import FinishReason
 from caldrix.routes import backoff, sse
 from caldrix.routes.debug import refuse, tracked
 from caldrix.routes.errors import ApiError
-from caldrix.routes.prompt_ids import LIMITER_KEY, build, check_fits, parsed
+from caldrix.routes.prompt_ids import LIMITER_KEY, build, check_fits, check_in_vocab, parsed
 from caldrix.routes.schemas import ModelLimits, parse_body, parse_chat, parse_completion, reply_budget
 from caldrix.tokenizer import ChatTemplateError
 
@@ -132,6 +132,7 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
     try:
         if not ids:
             raise ApiError.invalid("the prompt is empty", prompt_param)
+        check_in_vocab(ids, rt.vocab_size, rt.tokenizer, prompt_param)
         max_tokens = reply_budget(len(ids), req.max_tokens, limits(rt), prompt_param)
         if rt.scheduler.failed:
             raise ApiError.engine_unavailable()

@@ -52,6 +52,20 @@ def check_fits(tokenizer: Any, chars: Sequence[str], context: int, param: str) -
         )
 
 
+def check_in_vocab(ids: Sequence[int], vocab_size: int, tokenizer: Any, param: str | None) -> None:
+    """A 400 at `param` when a prompt built from text holds an id the model has no embedding
+    row for: a tokenizer with added tokens the model was never resized for. Run, the id would
+    fail the engine's step and with it the server (vLLM refuses such a prompt the same way)."""
+    top = max(ids, default=-1)
+    if top >= vocab_size:
+        piece = tokenizer.hf.convert_ids_to_tokens(top)
+        raise ApiError.invalid(
+            f"the prompt tokenizes to token id {top} ({piece!r}), which this model has no embedding for "
+            f"(its vocabulary is 0 to {vocab_size - 1}): the tokenizer has tokens the model does not",
+            param,
+        )
+
+
 async def build(limiter: trio.CapacityLimiter, size: int, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args), on a worker thread of `limiter` when `size` (characters) is past INLINE_CHARS.
     Cancelling the caller abandons the thread's result; the thread itself runs to its end."""

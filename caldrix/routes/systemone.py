@@ -33,7 +33,7 @@ from caldrix.request_queue import RequestQueue
 from caldrix.routes import backoff
 from caldrix.routes.debug import refuse
 from caldrix.routes.errors import ApiError
-from caldrix.routes.prompt_ids import LIMITER_KEY, parsed
+from caldrix.routes.prompt_ids import LIMITER_KEY, check_in_vocab, parsed
 from caldrix.systemone import jsonlex
 from caldrix.systemone.reading import NotFinite, Plan, Probe, Reading, ZeroShot, answer
 from caldrix.systemone.request import parse_body, parse_request
@@ -70,6 +70,9 @@ async def systemone():
         reading.check_question(q)
     # Rendering and tokenizing 64 prompts of a long state takes a while: off the event loop.
     plans = await trio.to_thread.run_sync(reading.plan, req, rt.context, limiter=current_app.extensions[LIMITER_KEY])
+    for plan in plans:
+        for probe in plan.probes:
+            check_in_vocab(probe.ids, rt.vocab_size, rt.tokenizer, plan.question.path)
     if rt.scheduler.failed:
         raise ApiError.engine_unavailable()
 

@@ -17,6 +17,40 @@ import json
 import struct
 from pathlib import Path
 
+INDEX = "model.safetensors.index.json"
+
+
+class MissingWeight(ValueError):
+    """A tensor the model's config.json calls for is in none of its files: the directory is
+    incomplete (a one-line refusal at start, as for any bad model directory)."""
+
+    def __init__(self, path: Path, name: str):
+        super().__init__(f"cannot load {path}: it lacks the weight {name}, which its config.json calls for")
+
+
+def model_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory: the ones its model.safetensors.index.json
+    maps weights to, as transformers reads them (a stray shard left by an older save is not
+    read), else every *.safetensors in it. ValueError for an index that is not one or names a
+    file that is not there; FileNotFoundError when there is no file at all."""
+    path = Path(path)
+    index = path / INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map)") from None
+        if not names or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{index} maps no weight to a file")
+        absent = [n for n in names if not (path / n).is_file()]
+        if absent:
+            raise ValueError(f"{path} is incomplete: its {INDEX} maps weights to {absent[0]}, which is not there")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
 import torch
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
