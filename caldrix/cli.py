@@ -207,9 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true")
     _engine_flags(run)
 
-    fetch = sub.add_parser("fetch", help="download a registry model or a repo id into the Hugging Face cache")
-    fetch.add_argument("model", metavar="MODEL")
-    sub.add_parser("models", help="list the model registry")
+    fetch = sub.add_parser("fetch", help="download a registry model or a repo id into the Hugging Face cache",
+                           description="Download a registry model or a repo id into the Hugging Face cache, where "
+                                       "serve and run find it offline (docs/models.md).")
+    fetch.add_argument("model", metavar="MODEL", help="a registry alias (caldrix models) or a repo id org/name")
+    sub.add_parser("models", help="list the model registry",
+                   description="List the model registry: each alias, its repo id, architecture and size, whether "
+                               "it is on this machine, and notes.")
 
     replay = sub.add_parser("replay", help="replay a trace from the replay ring against a running server")
     replay.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines, as GET /debug/trace exports)")

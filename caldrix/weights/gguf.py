@@ -80,9 +80,15 @@ def convert(gguf_path: str | os.PathLike, *, progress: bool = True) -> Path:
     final = cached_dir(src)
     if final.is_dir():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_stale(final.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_stale(final.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    except OSError as e:  # a read-only cache, a HOME that is not there
+        from caldrix.weights import ModelNotFound
+
+        raise ModelNotFound(f"cannot convert {src}: the cache {final.parent} cannot be written "
+                            f"({e.strerror or e}); set CALDRIX_CACHE to a writable directory") from None
     try:
         conversions += 1
         # Quiet means quiet: transformers' own bars (the dequantizing one cannot be switched
