@@ -21,6 +21,7 @@ import logging
 import signal
 import socket
 import sys
+import weakref
 
 import trio
 
@@ -28,6 +29,10 @@ from caldrix.config import ServeConfig
 from caldrix.request_queue import RequestQueue
 
 log = logging.getLogger("caldrix")
+
+# After the scheduler's cutoff has ended every request, how long their last events get to reach
+# their clients before connections still open are closed under them.
+CLOSE_AFTER_CUT_S = 3.0
 
 
 def say(line: str) -> None:
@@ -166,6 +171,7 @@ def contain_connection_failures() -> None:
         contained = True
 
         async def run(self) -> None:
+            _OPEN.add(self)
             try:
                 await super().run()
             except Exception as exc:
@@ -175,8 +181,30 @@ def contain_connection_failures() -> None:
                         await self.stream.aclose()
                     except Exception:  # already gone
                         pass
+            finally:
+                _OPEN.discard(self)
 
     hypercorn_run.TCPServer = ContainedTCPServer
+
+
+# The connections contain_connection_failures' class is serving now (each leaves as its task
+# ends; weak, so nothing here keeps one alive).
+_OPEN: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def close_open_connections() -> int:
+    """Close the socket of every connection still open, and say how many there were. A write
+    blocked on a client that stopped reading is shielded (hypercorn's, and finish_shielded's),
+    so no cancellation ends it and a stop would wait for it forever; closing the socket wakes
+    it with ClosedResourceError, which ends that connection's task."""
+    n = 0
+    for conn in list(_OPEN):
+        try:
+            conn.stream.socket.close()  # trio's close: wakes every task waiting on the socket
+        except Exception:  # already closed
+            continue
+        n += 1
+    return n
 
 
 def _leaf_names(exc: BaseException) -> str:
@@ -228,12 +256,20 @@ def warn_if_exposed(host: str) -> None:
 
 
 async def _cut_before_deadline(stop: trio.Event, scheduler, grace: float) -> None:
-    """Shortly before hypercorn's grace period ends, have the scheduler end every running
-    request with a clean error (an SSE error event, or a 503), rather than let hypercorn cut
-    the connections mid-stream."""
+    """Shortly before hypercorn's grace period ends (or at a second signal, whichever comes
+    first), have the scheduler end every running request with a clean error (an SSE error
+    event, or a 503), rather than let hypercorn cut the connections mid-stream. CLOSE_AFTER_CUT_S
+    later, close whatever connections are still open: a client that stopped reading holds its
+    last write, and with it the stop, for as long as it likes. Cancelled once hypercorn is done."""
     await stop.wait()
-    await trio.sleep(max(grace - 2.0, 0.0))
+    with trio.move_on_after(max(grace - 2.0, 0.0)):
+        await scheduler.cutoff.wait()
     scheduler.cutoff.set()
+    await trio.sleep(CLOSE_AFTER_CUT_S)
+    n = close_open_connections()
+    if n:
+        say(f"caldrix: closed {n} connection{'s' if n > 1 else ''} still open {CLOSE_AFTER_CUT_S:.0f} s after the "
+            "running requests were ended (clients that stopped reading)")
 
 
 async def _wait_for_signal(stop: trio.Event, scheduler, task_status=trio.TASK_STATUS_IGNORED) -> None:

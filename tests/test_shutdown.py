@@ -101,7 +101,7 @@ def test_idle_keepalive_connection_is_closed_after_5_s(smollm2_dir: Path):
         assert 4.0 < idle < 8.0, f"closed after {idle:.1f} s idle"
         assert srv.alive
     finally:
-        assert srv.stop() == 0, srv.stderr
+        assert srv.stop() == 0
 
 
 def running_and_waiting(url: str) -> int:
@@ -169,5 +169,40 @@ def test_a_second_signal_ends_running_requests_now_cleanly(smollm2_dir: Path):
     finally:
         srv.stop()
     assert rest[-1] == "data: [DONE]" and "the server is shutting down" in rest[-2], rest[-3:]
-    assert took < STOP_WITHIN and srv.wait(5) == 0, srv.stderr
+    assert took < STOP_WITHIN and srv.wait(5) == 0
     assert "SIGTERM received again, ending every running request now" in srv.stderr
+
+
+def test_a_client_that_stopped_reading_does_not_hold_the_stop(tmp_path_factory, smollm2_dir: Path):
+    """A stream whose client never reads fills the socket, and the write of its next event
+    blocks, shielded (hypercorn's own and finish_shielded's): no cancellation ends it. The stop
+    used to wait for it forever, and later signals did nothing (the soak audit: alive 610 s
+    after SIGTERM with --graceful-timeout 6). Now connections still open a few seconds after the
+    running requests were ended are closed, and the process exits 0."""
+    from reliability_util import tiny_smol
+
+    model = tiny_smol(tmp_path_factory.getbasetemp(), smollm2_dir)
+    srv = ServerProcess.start(model, "--graceful-timeout", "3", "--served-name", "stuck")
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.port))
+        body = (b'{"model": "stuck", "prompt": "Once upon a time", "max_tokens": 1800, "ignore_eos": true, '
+                b'"stream": true}')
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 60
+        while not running_and_waiting(srv.url) and time.monotonic() < deadline:  # admitted
+            time.sleep(0.05)
+        while running_and_waiting(srv.url) and time.monotonic() < deadline:  # all 1800 tokens made
+            time.sleep(0.2)
+        time.sleep(1.0)  # the unread events fill the socket's buffers: the next write blocks
+        since = time.monotonic()
+        srv.terminate()
+        took = wait_exit(srv, since)
+    finally:
+        s.close()
+        srv.stop()
+    assert took < 3 + 2 * 5.0, (took, srv.stderr)
+    assert "caldrix: closed 1 connection still open 3 s after the running requests were ended" in srv.stderr, srv.stderr
+    assert "caldrix: stopped" in srv.stderr
