@@ -22,6 +22,7 @@ it owns, which the scheduler closes when its run ends.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -34,6 +35,11 @@ BESIDE_NICE = 10  # nice 19 measured no better in the mixed row, and starves har
 STARVED_SHARE = 0.5  # a chunk that got less than this share of a core ran starved
 JUDGED_AFTER_S = 0.05  # shorter chunks are not judged: one preemption is a large share of them
 FAIR_HOLD_S = 30.0  # how long chunks beside decode keep the process's priority after one starved
+# OpenMP's default wait policy spins idle workers; on a shared machine they spin on cores the
+# other processes need, and every step waits for a descheduled spinner (measured 4-12x slower
+# than PASSIVE beside other busy processes: docs/serve.md "Threads").
+_SHARED_HINT = ("" if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+                else "; on a machine shared with busy processes, start caldrix with OMP_WAIT_POLICY=PASSIVE")
 
 
 class DecodeLane:
@@ -74,6 +80,6 @@ class PrefillLane:
         out, share, wall = await self.low.run(_with_cpu_share, fn, batch)
         if wall >= JUDGED_AFTER_S and share < STARVED_SHARE:
             log.warning("a prompt chunk beside decode steps got %.0f%% of a core: the machine is busy; "
-                        "such chunks run at normal priority for %.0f s", 100 * share, FAIR_HOLD_S)
+                        "such chunks run at normal priority for %.0f s%s", 100 * share, FAIR_HOLD_S, _SHARED_HINT)
             self.fair_until = time.monotonic() + FAIR_HOLD_S
         return out
