@@ -1131,3 +1131,34 @@ def test_a_greedy_reply_does_not_depend_on_the_request_before_it(smollm2_dir: Pa
             post(*before)
             replies.append(post("/v1/chat/completions", story)["choices"][0]["token_ids"])
     assert all(r == replies[0] for r in replies), [r[:12] for r in replies]
+
+
+def test_a_prompt_shorter_than_a_held_one_gets_its_fresh_reply(smollm2_dir: Path):
+    """The slot holds a 1300-token prompt P; P[:1100] shares all its rows but those rows past
+    1024 were computed in P's 276-row chunk, where a fresh run of P[:1100] computes a 76-row
+    one. Reused as they were (1099 rows), the reply took another turn at its 3rd token (the
+    cross-feature audit); reused down to the whole chunk (1024), it is the fresh reply."""
+    rng = random.Random(5)
+    words = ("apple river stone quiet market seven blue engine harvest lantern copper garden whisper orbit canvas "
+             "thunder meadow pencil silver marble ocean violet forest candle mirror ladder rocket island").split()
+    with ServerProcess.start(smollm2_dir, "--context", "2048") as srv:
+        name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(smollm2_dir)
+        p = tok(" ".join(rng.choice(words) for _ in range(1400)) + ".", add_special_tokens=False)["input_ids"][:1300]
+
+        def reply(prompt: list[int]) -> tuple[list[int], int]:
+            r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+                "model": name, "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            rid = r.json()["id"]
+            rec = next(x for x in httpx.get(srv.url + "/debug/requests").json()["data"] if x["id"] == rid)
+            return r.json()["choices"][0]["token_ids"], rec["prefix_rows"]
+
+        first, reused = reply(p[:1100])
+        assert reused == 0
+        reply(p)
+        again, reused = reply(p[:1100])
+    assert reused == 1024
+    assert again == first

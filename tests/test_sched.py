@@ -106,32 +106,34 @@ def test_decode_and_prefill_are_separate_work():
 def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
     slots = SlotTable(2)
     policy = Policy(slots, chunk=4, prefill_budget=64)
-    sub, _ = make_sub([5, 6, 7, 8], max_tokens=2)
+    sub, _ = make_sub([5, 6, 7, 8, 9, 10], max_tokens=2)
     seq = Sequence(sub)
     policy.admit(seq)
-    for token in ((), (40,), (41,)):  # the prompt but its last token, that token, one decode step
+    # the first chunk (rows 0..3), the prompt's rest but its last token (row 4), that token, one
+    # decode step
+    for token in ((), (), (40,), (41,)):
         work = policy.schedule_prefill() or policy.schedule_decode()
         policy.postprocess(work, StepOutput((RunOutput(token),)))
     assert seq.finish is FinishReason.LENGTH
-    assert slots.held[seq.slot] == (5, 6, 7, 8, 40)  # the last token has no KV row yet
+    assert slots.held[seq.slot] == (5, 6, 7, 8, 9, 10, 40)  # the last token has no KV row yet
     # the next turn of what the slot holds: all of it reused
-    again, _ = make_sub([5, 6, 7, 8, 40, 9, 9])
+    again, _ = make_sub([5, 6, 7, 8, 9, 10, 40, 2, 2])
     s2 = Sequence(again)
     policy.admit(s2)
-    assert (s2.slot, s2.prefix_rows) == (seq.slot, 5)
+    assert (s2.slot, s2.prefix_rows) == (seq.slot, 7)
     (run,) = policy.schedule_prefill().batch.runs
-    assert run.start == 5 and run.token_ids == (9,)
+    assert run.start == 7 and run.token_ids == (2,)
     policy.running.clear()
-    slots.release(s2.slot, (5, 6, 7, 8, 40, 9))
-    # another request that shares 5 rows of them: reused down to a whole chunk (4), so the rest
-    # is cut as a fresh run cuts it
-    other = Sequence(make_sub([5, 6, 7, 8, 40, 1, 2, 3])[0])
+    slots.release(s2.slot, (5, 6, 7, 8, 9, 10, 40, 2))
+    # another request that shares 7 rows of them: reused down to the whole chunk a fresh run
+    # computes too (rows 0..3), so the rest is cut as a fresh run cuts it
+    other = Sequence(make_sub([5, 6, 7, 8, 9, 10, 40, 1, 2, 3])[0])
     policy.admit(other)
     assert (other.slot, other.prefix_rows) == (seq.slot, 4)
     (run,) = policy.schedule_prefill().batch.runs
-    assert run.start == 4 and run.token_ids == (40, 1, 2, 3)[:3]
+    assert run.start == 4 and run.token_ids == (9, 10, 40, 1)
     fresh = Policy(SlotTable(1), chunk=4, prefill_budget=64)
-    alone = Sequence(make_sub([5, 6, 7, 8, 40, 1, 2, 3])[0])
+    alone = Sequence(make_sub([5, 6, 7, 8, 9, 10, 40, 1, 2, 3])[0])
     fresh.admit(alone)
     fresh.postprocess(fresh.schedule_prefill(), StepOutput((RunOutput(()),)))  # the first chunk, 0..4
     (second,) = fresh.schedule_prefill().batch.runs
@@ -142,6 +144,44 @@ def test_finished_slot_keeps_its_rows_for_a_shared_prefix():
     policy.admit(s3)
     assert s3.prefix_rows == 0  # the other slot holds nothing; slot 0 is busy
 
+
+def test_held_rows_are_reused_whole_only_by_the_prompt_that_computed_them():
+    """A prompt's last partial chunk is cut where that prompt ends: rows a longer prompt
+    computed in a longer chunk have other bits than a fresh run of a shorter one would give
+    them (the cross-feature audit: P[:1100] after P reused 1099 rows and its reply changed at
+    its 3rd token). So a strict prefix of a held prompt, or one that differs from it only at
+    its last token, reuses whole chunks only; the same prompt again reuses all but its last."""
+    chunk = 4
+    prompt = tuple(range(100, 111))  # 11 tokens: chunks 0..3, 4..7, 8..9, then row 10 alone
+    # (a prompt of the same length that differs only at its last token cuts its rows as the held
+    # prompt did; a fresh run of prompt + (7,) cuts rows 8..10 as one chunk, where the held rows
+    # 8..9 were one and row 10 a run of its own)
+    cases = [(prompt, 10), (prompt[:7], 4), (prompt[:9], 8), (prompt[:-1] + (7,), 10), (prompt + (7,), 8),
+             (prompt[:-1], 8)]
+    for other, expected in cases:
+        slots = SlotTable(1)
+        assert slots.try_acquire(prompt, reuse=True, align=chunk) == (0, 0)
+        slots.release(0, prompt[:10] + (55,))  # its rows and its first reply token's
+        assert slots.try_acquire(other, reuse=True, align=chunk) == (0, expected), other
+
+
+def test_a_repeat_of_a_repeat_and_after_a_next_turn():
+    slots = SlotTable(1)
+    p = tuple(range(10))
+    slots.try_acquire(p, reuse=True, align=4)
+    slots.release(0, p)
+    assert slots.try_acquire(p, reuse=True, align=4) == (0, 9)  # a repeat
+    slots.release(0, p + (50,))
+    assert slots.try_acquire(p, reuse=True, align=4) == (0, 9)  # a repeat of the repeat
+    slots.release(0, p + (50,))
+    turn = p + (50, 51, 52)
+    assert slots.try_acquire(turn, reuse=True, align=4) == (0, 11)  # the next turn: all it holds
+    slots.release(0, turn)
+    # its rows past the first prompt's whole chunks came from an unaligned start: a prompt that
+    # only shares them reuses the whole chunks of the first prompt's own run
+    assert slots.try_acquire(turn[:12] + (9,), reuse=True, align=4) == (0, 8)
+    slots.release(0, ())
+    assert (slots.fresh[0], slots.fresh_len[0]) == (0, 0)  # ended before any row: nothing fresh
 
 def test_loop_streams_tokens_and_stops_at_eos_and_length():
     async def main():

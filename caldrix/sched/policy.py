@@ -75,8 +75,8 @@ class Policy:
         # Held rows are reused in whole chunks (SlotTable.try_acquire), so a reply never depends
         # on what ran before it; a read-only prompt (a /v1/systemone question) has no reply to
         # keep so and reuses any common prefix (systemone.md says how its reading may differ).
-        align = 1 if seq.sub.is_read_only else self.chunk
-        got = self.slots.try_acquire(seq.prompt, reuse=seq.sub.reuse_prefix and lease is None, align=align)
+        got = self.slots.try_acquire(seq.prompt, reuse=seq.sub.reuse_prefix and lease is None, align=self.chunk,
+                                     read_only=seq.sub.is_read_only)
         assert got is not None, "admit() without a free slot"
         seq.slot, seq.prefix_rows = got
         written_from = seq.prefix_rows
