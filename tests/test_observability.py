@@ -447,3 +447,50 @@ def test_replay_command_reports_a_bad_trace(tmp_path: Path):
     bad.write_text("{not json\n")
     out = subprocess.run([sys.executable, "-m", "caldrix", "replay", str(bad)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "not JSON" in out.stderr
+
+
+def test_a_stream_never_iterated_frees_its_request_and_ends_its_record():
+    """quart cancels a handler whose client left at the response's first send, before the
+    streamed body was ever iterated; an unstarted generator's finally never runs, so the
+    scheduler generated on to max_tokens and the record never ended (the soak audit: the e2e
+    histogram one request past request_success_total). Collected unstarted, the route's
+    generator closes the request's channel and reports the client gone."""
+    import gc
+
+    from caldrix.routes.debug import watched
+
+    class Seen:
+        calls = []
+
+        def route_done(self, rid, **kw):
+            self.calls.append((rid, kw))
+
+    async def pieces(rx):
+        async for _ in rx:
+            yield type("P", (), {"finish": FinishReason.LENGTH})()
+
+    tel = Seen()
+    tx, rx = trio.open_memory_channel(4)
+    gen = watched(tel, "cmpl-9", "/v1/completions", pieces(rx), rx, stream=True)
+    del gen
+    gc.collect()
+    assert tel.calls == [("cmpl-9", {"route": "/v1/completions", "status": 200, "finish": None, "stream": True})]
+    with pytest.raises(trio.BrokenResourceError):  # the scheduler's next send finds it gone
+        tx.send_nowait(None)
+
+    # iterated to its end, it reports once, as before
+    tel.calls.clear()
+    tx, rx = trio.open_memory_channel(4)
+
+    async def drain():
+        g = watched(tel, "cmpl-10", "/v1/completions", pieces(rx), rx, stream=False)
+        tx.send_nowait(None)
+        tx.close()
+        async for _ in g:
+            pass
+        await g.aclose()
+        del g
+        gc.collect()
+
+    trio.run(drain)
+    assert [rid for rid, _ in tel.calls] == ["cmpl-10"]

@@ -163,7 +163,7 @@ async def _generate(prefix: str, obj: str, req, ids: tuple[int, ...], prompt_par
         raise ApiError.engine_unavailable() from None
     chat = obj == "chat.completion"
     head = {"id": rid, "created": int(time.time()), "model": rt.served_name}
-    stream = tracked(rid, pieces(rx, rt.tokenizer, req.stop, prompt_ids=ids), stream=req.stream)
+    stream = tracked(rid, pieces(rx, rt.tokenizer, req.stop, prompt_ids=ids), rx, stream=req.stream)
     if req.stream:
         return Response(_sse(stream, head, chat, req, len(ids)), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

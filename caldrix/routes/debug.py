@@ -13,6 +13,7 @@ method and status, and writes the log line of a refused POST that never got a re
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import AsyncIterator
 
 import orjson
@@ -94,15 +95,37 @@ def refuse(rid: str, gen: GenRequest, status: int, *, stream: bool) -> None:
                          captured=not gen.embeds)
 
 
-def tracked(rid: str, pieces: AsyncIterator[Piece], *, stream: bool) -> AsyncIterator[Piece]:
+def tracked(rid: str, pieces: AsyncIterator[Piece], events, *, stream: bool) -> AsyncIterator[Piece]:
     """Wrap a request's piece stream: when it ends, however it ends, the route's half of the
     record (route, status, the finish the client saw) goes to telemetry. Call in the request
-    context; close the result like the stream it wraps."""
+    context; close the result like the stream it wraps.
+
+    A streamed response whose client left before its body was first iterated (quart cancels
+    the handler at the response's first send) leaves the generator unstarted, and an unstarted
+    generator's finally never runs: the scheduler went on generating to max_tokens into
+    `events` (the request's receive channel) and the record never ended. So when the result is
+    collected unstarted, `events` is closed (the scheduler frees the slot at its next step) and
+    the route's half goes to telemetry as a client that left."""
     g.caldrix_request_id = rid
-    return _watch(_telemetry(), rid, _route(), pieces, stream)
+    return watched(_telemetry(), rid, _route(), pieces, events, stream)
 
 
-async def _watch(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Piece], stream: bool):
+def watched(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Piece], events,
+            stream: bool) -> AsyncIterator[Piece]:
+    """tracked's generator, outside a request context (the tests call it directly)."""
+    done = [False]
+    gen = _watch(tel, rid, route, pieces, stream, done)
+    weakref.finalize(gen, _never_iterated, tel, rid, route, events, stream, done)
+    return gen
+
+
+def _never_iterated(tel: Telemetry, rid: str, route: str, events, stream: bool, done: list[bool]) -> None:
+    if not done[0]:
+        events.close()
+        tel.route_done(rid, route=route, status=200 if stream else 499, finish=None, stream=stream)
+
+
+async def _watch(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Piece], stream: bool, done: list[bool]):
     finish: FinishReason | None = None
     failed = stopped = False
     try:
@@ -117,6 +140,7 @@ async def _watch(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Pie
         stopped = True
         raise
     finally:
+        done[0] = True
         # Report before awaiting anything: a cancelled handler gets no further checkpoint.
         if failed:
             status, finish = (200 if stream else 500), FinishReason.ERROR
