@@ -245,7 +245,7 @@ class Telemetry:
             prefix_rows=seq.prefix_rows,
             batch_sizes=_batch_histogram(seq.batch_sizes) if captured else (),
             blocks=block_digests(sub.prompt_ids, self.salt, self.block_tokens) if captured else (),
-            speculative=(seq.proposed, seq.accepted) if seq.speculating else None,
+            speculative=(seq.proposed, seq.accepted) if seq.speculating and seq.proposed else None,
             sampler=self.sampler,
             ignore_eos=not sub.is_read_only and not sub.stop_token_ids,
         )

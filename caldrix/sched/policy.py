@@ -273,7 +273,9 @@ class Policy:
         return TokenEvent(token, speculative=self._spec_counts(seq))
 
     def _spec_counts(self, seq: Sequence) -> tuple[int, int] | None:
-        return (seq.proposed, seq.accepted) if seq.speculating else None
+        # http-api.md: usage.speculative "when a request speculated": one that proposed no guess
+        # (its lookup never found one, or it ended at its first token) did not.
+        return (seq.proposed, seq.accepted) if seq.speculating and seq.proposed else None
 
     def _finish(self, seq: Sequence, reason: FinishReason, token: int | None, read=()) -> TokenEvent:
         self.release(seq, reason)
