@@ -57,6 +57,7 @@ def test_a_field_that_changes_what_transformers_computes_is_refused_by_name(tmp_
     # window starts past the last layer: what real Qwen3 checkpoints say
     Qwen3Config(**SMALL, use_sliding_window=False, sliding_window=4, max_window_layers=0),
     Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=2),
+    LlamaConfig(**SMALL, hidden_act="swish"),  # transformers' other name for SiLU
 ])
 def test_what_real_checkpoints_say_still_loads(tmp_path, cfg):
     assert DecoderConfig.from_dir(config_dir(tmp_path, cfg)).num_layers == 2
@@ -148,6 +149,11 @@ def test_a_prompt_with_a_token_the_model_has_no_row_for_is_a_400_and_the_server_
             assert err["param"] == param
             assert err["message"].startswith(f"the prompt tokenizes to token id {vocab} ('zzznewtok'), which this "
                                              f"model has no embedding for (its vocabulary is 0 to {vocab - 1})")
+        so = http.post("/v1/systemone", json={"model": model, "state": "a note on zzznewtok",
+                                              "questions": {"ok": {"type": "noul", "instructions": "Is it fine?"}}})
+        assert so.status_code == 400, so.text
+        assert so.json()["error"]["param"] is None  # the model's fault, not a field's
+        assert so.json()["error"]["message"].startswith(f"the prompt tokenizes to token id {vocab} ('zzznewtok')")
         assert http.get("/healthz").text == "ok"
         ok = http.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2})
         assert ok.status_code == 200, ok.text

@@ -470,13 +470,18 @@ def test_a_stream_never_iterated_frees_its_request_and_ends_its_record():
             yield type("P", (), {"finish": FinishReason.LENGTH})()
 
     tel = Seen()
-    tx, rx = trio.open_memory_channel(4)
-    gen = watched(tel, "cmpl-9", "/v1/completions", pieces(rx), rx, stream=True)
-    del gen
-    gc.collect()
-    assert tel.calls == [("cmpl-9", {"route": "/v1/completions", "status": 200, "finish": None, "stream": True})]
-    with pytest.raises(trio.BrokenResourceError):  # the scheduler's next send finds it gone
-        tx.send_nowait(None)
+
+    async def collected_unstarted():
+        tx, rx = trio.open_memory_channel(4)
+        gen = watched(tel, "cmpl-9", "/v1/completions", pieces(rx), rx, stream=True)
+        del gen
+        gc.collect()
+        await trio.lowlevel.checkpoint()  # the report runs on the trio thread, soon
+        assert tel.calls == [("cmpl-9", {"route": "/v1/completions", "status": 200, "finish": None, "stream": True})]
+        with pytest.raises(trio.BrokenResourceError):  # the scheduler's next send finds it gone
+            tx.send_nowait(None)
+
+    trio.run(collected_unstarted)
 
     # iterated to its end, it reports once, as before
     tel.calls.clear()

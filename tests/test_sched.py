@@ -176,12 +176,16 @@ def test_a_repeat_of_a_repeat_and_after_a_next_turn():
     slots.release(0, p + (50,))
     turn = p + (50, 51, 52)
     assert slots.try_acquire(turn, reuse=True, align=4) == (0, 11)  # the next turn: all it holds
-    slots.release(0, turn)
+    slots.release(0, turn + (60,))
+    # the same turn again (a regenerate, a client's retry) gets the rows that turn computed
+    assert slots.try_acquire(turn, reuse=True, align=4) == (0, 12)
+    slots.release(0, turn + (60,))
     # its rows past the first prompt's whole chunks came from an unaligned start: a prompt that
     # only shares them reuses the whole chunks of the first prompt's own run
-    assert slots.try_acquire(turn[:12] + (9,), reuse=True, align=4) == (0, 8)
-    slots.release(0, ())
-    assert (slots.fresh[0], slots.fresh_len[0]) == (0, 0)  # ended before any row: nothing fresh
+    assert slots.try_acquire(turn[:12] + (9, 9), reuse=True, align=4) == (0, 8)
+    slots.release(0, turn[:6])  # ended mid-prompt, after its rows 0..3 and part of 4..7
+    assert (slots.fresh[0], slots.fresh_len[0]) == (4, 0)  # its whole chunk stays fresh
+    assert slots.try_acquire(turn[:12] + (9, 9), reuse=True, align=4) == (0, 6)  # a retry: all held (next turn)
 
 def test_loop_streams_tokens_and_stops_at_eos_and_length():
     async def main():

@@ -86,7 +86,7 @@ def refuse_unimplemented(raw: dict) -> None:
         if raw.get(flag):
             raise ValueError(f"unsupported {flag}: true; the llama-family layers here have no biases")
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
         raise ValueError(f"unsupported hidden_act {act!r}; the llama-family MLP here uses silu")
     # transformers' Qwen3: a window only with use_sliding_window, on the layers layer_types
     # (or, without it, max_window_layers) marks; without the switch every layer attends fully.

@@ -87,7 +87,7 @@ class Qwen35Config:
         if not isinstance(text, dict):
             raise ValueError("a qwen3_5 config needs a text_config object")
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        if text.get("hidden_act", "silu") != "silu":
+        if text.get("hidden_act", "silu") not in ("silu", "swish"):  # both SiLU in transformers
             raise ValueError(f"unsupported hidden_act {text['hidden_act']!r}; Qwen3.5 uses silu")
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":

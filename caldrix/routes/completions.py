@@ -113,6 +113,7 @@ async def _vision_chat(rt, req, size: int):
     if not ids:
         raise ApiError.invalid("the prompt is empty", "messages")
     reply_budget(len(ids), req.max_tokens, limits(rt), "messages")  # before any image is decoded
+    check_in_vocab(ids, rt.vocab_size, rt.tokenizer, "messages")
     if rt.scheduler.failed:
         raise ApiError.engine_unavailable()
     try:

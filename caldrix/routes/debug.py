@@ -17,6 +17,7 @@ import weakref
 from typing import AsyncIterator
 
 import orjson
+import trio
 from quart import Blueprint, Response, current_app, g, request
 
 from caldrix.routes.responses import json_response
@@ -86,12 +87,13 @@ def _route() -> str:
     return request.url_rule.rule if request.url_rule is not None else request.path
 
 
-def refuse(rid: str, gen: GenRequest, status: int, *, stream: bool) -> None:
+def refuse(rid: str, gen: GenRequest, status: int, *, stream: bool, read_only: bool = False) -> None:
     """Record a request refused at submission (429 queue full, 503 engine unavailable). An image
-    request (one with embeddings) is logged and counted but never enters the replay ring."""
+    request (one with embeddings) is logged and counted but never enters the replay ring.
+    `read_only`: a /v1/systemone probe, which generates nothing (so ignores no end of sequence)."""
     g.caldrix_request_id = rid
     _telemetry().refused(rid, route=_route(), status=status, prompt_ids=gen.prompt_ids, max_tokens=gen.max_tokens,
-                         sampling=gen.sampling, stream=stream, ignore_eos=not gen.stop_token_ids,
+                         sampling=gen.sampling, stream=stream, ignore_eos=not read_only and not gen.stop_token_ids,
                          captured=not gen.embeds)
 
 
@@ -112,20 +114,37 @@ def tracked(rid: str, pieces: AsyncIterator[Piece], events, *, stream: bool) -> 
 
 def watched(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Piece], events,
             stream: bool) -> AsyncIterator[Piece]:
-    """tracked's generator, outside a request context (the tests call it directly)."""
-    done = [False]
-    gen = _watch(tel, rid, route, pieces, stream, done)
-    weakref.finalize(gen, _never_iterated, tel, rid, route, events, stream, done)
+    """tracked's generator, outside a request context (the tests call it directly). Call on
+    the trio thread."""
+    started = [False]
+    gen = _watch(tel, rid, route, pieces, stream, started)
+    # The collector can run on any thread (whichever allocates), and in the middle of anything:
+    # the report is handed to the trio thread. Not at interpreter exit, after the run.
+    fin = weakref.finalize(gen, _never_iterated, trio.lowlevel.current_trio_token(), tel, rid, route, events,
+                           stream, started)
+    fin.atexit = False
     return gen
 
 
-def _never_iterated(tel: Telemetry, rid: str, route: str, events, stream: bool, done: list[bool]) -> None:
-    if not done[0]:
+def _never_iterated(token, tel: Telemetry, rid: str, route: str, events, stream: bool, started: list[bool]) -> None:
+    """A generator collected unstarted (a started one is closed by trio's async generator
+    hooks, and its finally reports)."""
+    if started[0]:
+        return
+
+    def report() -> None:
         events.close()
         tel.route_done(rid, route=route, status=200 if stream else 499, finish=None, stream=stream)
 
+    try:
+        token.run_sync_soon(report)
+    except trio.RunFinishedError:
+        pass
 
-async def _watch(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Piece], stream: bool, done: list[bool]):
+
+async def _watch(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Piece], stream: bool,
+                 started: list[bool]):
+    started[0] = True
     finish: FinishReason | None = None
     failed = stopped = False
     try:
@@ -140,7 +159,6 @@ async def _watch(tel: Telemetry, rid: str, route: str, pieces: AsyncIterator[Pie
         stopped = True
         raise
     finally:
-        done[0] = True
         # Report before awaiting anything: a cancelled handler gets no further checkpoint.
         if failed:
             status, finish = (200 if stream else 500), FinishReason.ERROR

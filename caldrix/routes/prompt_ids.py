@@ -83,9 +83,11 @@ async def parsed(parse: Callable[..., T], *args: Any) -> T:
     try:
         raw = await request.get_data(cache=False)
     except trio.Cancelled:
-        # A client that hangs up mid-upload cancels its handler here (hypercorn's disconnect):
-        # no response is sent, so this is the request's only trace in the log.
-        log.info("request - %s %s the client left before its body was read (Content-Length %s)",
+        # A client that hangs up mid-upload cancels its handler here (hypercorn's disconnect),
+        # as does a stop's grace period running out: no response is sent, so this is the
+        # request's only trace in the log.
+        log.info("request - %s %s cancelled before its body was read (Content-Length %s): the client left, "
+                 "or the server is stopping",
                  request.method, request.path, request.headers.get("Content-Length", "-"))
         raise
     if len(raw) <= INLINE_BODY_BYTES:

@@ -72,7 +72,7 @@ async def systemone():
     plans = await trio.to_thread.run_sync(reading.plan, req, rt.context, limiter=current_app.extensions[LIMITER_KEY])
     for plan in plans:
         for probe in plan.probes:
-            check_in_vocab(probe.ids, rt.vocab_size, rt.tokenizer, plan.question.path)
+            check_in_vocab(probe.ids, rt.vocab_size, rt.tokenizer, None)  # the model's fault, not a field's
     if rt.scheduler.failed:
         raise ApiError.engine_unavailable()
 
@@ -139,11 +139,11 @@ async def _read(rt, queue: RequestQueue, rid: str, probe: Probe, ran: list[str],
     try:
         rx = submit(queue, gen, read_ids=probe.read_ids, lease=lease, keep_state=keep)
     except QueueFull:
-        refuse(rid, gen, 429, stream=False)
+        refuse(rid, gen, 429, stream=False, read_only=True)
         wait = backoff.retry_after_s(rt.telemetry.records(), queue.waiting(), rt.cfg.max_batch)
         raise ApiError.queue_full(backoff.headers(wait)) from None
     except EngineStopped:
-        refuse(rid, gen, 503, stream=False)
+        refuse(rid, gen, 503, stream=False, read_only=True)
         raise ApiError.engine_unavailable() from None
     ran.append(rid)
     with rx:

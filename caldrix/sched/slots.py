@@ -33,10 +33,12 @@ class SlotTable:
     # Per slot, which held rows have the bits a fresh run gives them (a row's bits depend on the
     # chunk it was computed in, and chunks are cut at multiples of the chunk size from 0):
     # `fresh`, the rows in whole chunks, the same for any prompt that shares their tokens;
-    # `fresh_len`, n when every row but the last of an n-token prompt is as that prompt's fresh
-    # run computes them, its last partial chunk included (0: not so).
+    # `fresh_len`, n when every row but the last of an n-token prompt is as that prompt's own
+    # run computed them, its last partial chunk included (0: not so): a fresh run's, or, over
+    # the next turn's reuse, that send's, which a repeat then gets again.
     fresh: list[int] = attrs.field(init=False)
     fresh_len: list[int] = attrs.field(init=False)
+    _align: list[int] = attrs.field(init=False)  # the chunk each slot's run was cut by
     _clock: int = attrs.field(init=False, default=0)
     _last_used: list[int] = attrs.field(init=False)
 
@@ -45,6 +47,7 @@ class SlotTable:
         self.busy = [False] * self.num_slots
         self.fresh = [0] * self.num_slots
         self.fresh_len = [0] * self.num_slots
+        self._align = [1] * self.num_slots
         self._last_used = [0] * self.num_slots
 
     @property
@@ -94,15 +97,18 @@ class SlotTable:
         if read_only or (held and common == len(held)):
             return rows  # a read-only prompt; the next turn of the conversation the slot held
         if rows == len(prompt) - 1 and self.fresh_len[slot] == len(prompt):
-            return rows  # the same prompt, computed as a fresh run computes it
+            return rows  # the same prompt again: its rows as its own run computed them
         return min(rows, self.fresh[slot]) // align * align
 
     def _note_fresh(self, slot: int, n: int, rows: int, align: int, read_only: bool) -> None:
         """What the run about to compute `slot`'s rows from `rows` on leaves fresh (see the
         fields): its chunks from an aligned start are cut as a fresh run's, from an unaligned
         one (the next turn's reuse) they are not, nor are a read-only run's (its last row rides
-        in its last chunk, and a kept state cuts a chunk short)."""
+        in its last chunk, and a kept state cuts a chunk short). A prompt sent again gets the
+        rows its own run computed, so `fresh_len` is n after any run but a read-only one: over
+        the next turn's reuse too, where a repeat then gets that run's reply, not a fresh one."""
         old, old_len = self.fresh[slot], self.fresh_len[slot]
+        self._align[slot] = align
         if read_only:
             self.fresh[slot], self.fresh_len[slot] = min(old, rows) // align * align, 0
         elif rows == 0 or (rows <= old and rows % align == 0):
@@ -110,15 +116,16 @@ class SlotTable:
         elif rows == n - 1 and old_len == n:
             pass  # a repeat: the rows stay as they were
         else:
-            self.fresh[slot], self.fresh_len[slot] = min(old, rows) // align * align, 0
+            self.fresh[slot], self.fresh_len[slot] = min(old, rows) // align * align, n
 
     def release(self, slot: int, held: tuple[int, ...]) -> None:
         """Free `slot`; its first len(held) rows stay valid for reuse."""
         assert self.busy[slot]
         self.busy[slot] = False
         self.held[slot] = held
-        if len(held) < self.fresh[slot]:  # ended mid-prompt
-            self.fresh[slot], self.fresh_len[slot] = 0, 0
+        if len(held) < self.fresh[slot]:  # ended mid-prompt: its whole chunks so far stay fresh
+            align = self._align[slot]
+            self.fresh[slot], self.fresh_len[slot] = len(held) // align * align, 0
         elif len(held) < self.fresh_len[slot] - 1:
             self.fresh_len[slot] = 0
         self._clock += 1
