@@ -173,6 +173,7 @@ class _RouteHalf:
     status: int
     finish: str | None  # what the client saw; None: the client left, take the scheduler's
     stream: bool
+    at: float  # Unix time the route answered or its client left
 
 
 def _unix(mono: float, now_mono: float, now_unix: float) -> float:
@@ -209,8 +210,8 @@ class Telemetry:
         m = self.metrics
         admitted = seq.t_admitted > 0
         first = seq.t_first_token if seq.t_first_token > 0 else None
-        m.e2e.observe(now - sub.arrived)
-        if admitted:
+        if admitted:  # one that never was is observed at the join: its client may have left long before
+            m.e2e.observe(now - sub.arrived)
             m.queue_time.observe(seq.t_admitted - sub.arrived)
             m.prompt_tokens.inc(len(sub.prompt_ids))
             m.prompt_size.observe(len(sub.prompt_ids))
@@ -259,7 +260,7 @@ class Telemetry:
 
     def route_done(self, rid: str, *, route: str, status: int, finish: FinishReason | None, stream: bool) -> None:
         """The route has answered (or the client has left): its status and visible finish."""
-        half = _RouteHalf(route, status, finish.value if finish is not None else None, stream)
+        half = _RouteHalf(route, status, finish.value if finish is not None else None, stream, time.time())
         other = self._pending.pop(rid, None)
         if isinstance(other, _SchedHalf):
             self._join(other, half)
@@ -308,9 +309,16 @@ class Telemetry:
     def _join(self, s: _SchedHalf, r: _RouteHalf | None) -> None:
         finish = (r.finish if r is not None else None) or s.finish
         self.metrics.finished(finish)
+        end = s.end
+        if s.queued is None:
+            # Never admitted: a client that left while queued ended its request then, though the
+            # scheduler only found the abandoned submission when it took it off the channel.
+            if r is not None:
+                end = min(end, max(0.0, r.at - s.arrived))
+            self.metrics.e2e.observe(end)
         rec = RequestRecord(
             id=s.id, route=r.route if r else "", status=r.status if r else None, finish_reason=finish,
-            arrived=s.arrived, queued=s.queued, first_token=s.first_token, end=s.end,
+            arrived=s.arrived, queued=s.queued, first_token=s.first_token, end=end,
             prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, max_tokens=s.max_tokens,
             sampling=s.sampling, prefix_rows=s.prefix_rows, batch_sizes=s.batch_sizes,
             stream=r.stream if r else False, blocks=s.blocks, speculative=s.speculative, sampler=s.sampler,

@@ -499,3 +499,26 @@ def test_a_stream_never_iterated_frees_its_request_and_ends_its_record():
 
     trio.run(drain)
     assert [rid for rid, _ in tel.calls] == ["cmpl-10"]
+
+
+def test_a_request_whose_client_left_while_queued_ends_when_it_left(monkeypatch):
+    """The scheduler finds an abandoned submission only when it takes it off the channel, seconds
+    later behind long streams (the soak audit: e2e 4.3-11.3 s for clients gone within 0.6 s).
+    Its record and the e2e histogram end it when the client left."""
+    import caldrix.telemetry as telemetry_module
+
+    tel = Telemetry.create("m", 4)
+    tx, _rx = trio.open_memory_channel(2)
+    sub = Submission("q7", (1, 2, 3), 4, SamplingParams(), frozenset(), tx,
+                     arrived=time.monotonic() - 6.0)  # queued 6 s ago
+    seq = Sequence(sub, finish=FinishReason.ABORT)  # never admitted: t_admitted stays 0
+    real = time.time
+    monkeypatch.setattr(telemetry_module.time, "time", lambda: real() - 5.5)  # the client left 0.5 s in
+    tel.route_done("q7", route="/v1/completions", status=499, finish=None, stream=False)
+    monkeypatch.setattr(telemetry_module.time, "time", real)
+    tel.on_finish(seq)  # the scheduler takes it off the channel now
+    (rec,) = tel.records()
+    assert rec.queued is None and rec.end == pytest.approx(0.5, abs=0.05)
+    m = samples(tel.metrics.render().decode())
+    assert val(m, "caldrix:e2e_request_latency_seconds_count") == 1
+    assert val(m, "caldrix:e2e_request_latency_seconds_sum") == pytest.approx(0.5, abs=0.05)
