@@ -476,7 +476,9 @@ def test_a_stream_never_iterated_frees_its_request_and_ends_its_record():
         gen = watched(tel, "cmpl-9", "/v1/completions", pieces(rx), rx, stream=True)
         del gen
         gc.collect()
-        await trio.lowlevel.checkpoint()  # the report runs on the trio thread, soon
+        with trio.fail_after(5):  # the report runs on the trio thread, soon (run_sync_soon)
+            while not tel.calls:
+                await trio.sleep(0.01)
         assert tel.calls == [("cmpl-9", {"route": "/v1/completions", "status": 200, "finish": None, "stream": True})]
         with pytest.raises(trio.BrokenResourceError):  # the scheduler's next send finds it gone
             tx.send_nowait(None)
