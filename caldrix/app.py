@@ -103,6 +103,9 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
             resp.headers["Connection"] = "close"
             return resp
         messages = {404: "no such route", 405: "method not allowed on this route"}
+        if err.description == type(err).description:  # werkzeug's stock text speaks of a browser
+            messages |= {400: "the request could not be understood (a WebSocket upgrade, or malformed framing)",
+                         408: "the request body did not arrive in time"}
         resp = error_response(ApiError(status, messages.get(status, err.description or err.name), None))
         allow = dict(err.get_headers()).get("Allow")
         if status == 405 and allow:  # RFC 9110: a 405 names the methods the route takes

@@ -60,6 +60,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     from caldrix.app import create_app
 
     contain_connection_failures()
+    http1_only()
 
     # The bounded request channel: it holds the requests waiting beyond the running ones
     # (--queue-depth); a full queue is a 429 at the route (request_queue.py).
@@ -72,6 +73,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     # vLLM's), and at once when a stop begins; both only work with finish_shielded below.
     hc.keep_alive_timeout = 5.0
     hc.accesslog = None
+    hc.alpn_protocols = ["http/1.1"]  # TLS clients too (http1_only)
     hc.errorlog = logging.getLogger("hypercorn.error")
     stop = trio.Event()
     # What loading made (the model's modules, the tokenizer's tables, the imported libraries:
@@ -205,6 +207,52 @@ def close_open_connections() -> int:
             continue
         n += 1
     return n
+
+
+def http1_only() -> None:
+    """Serve HTTP/1.1 alone, as llama-server, Ollama and vLLM (uvicorn) do.
+
+    hypercorn (0.18) also switches a cleartext connection to HTTP/2 on its preface or an
+    `Upgrade: h2c` request, and its HTTP/2 side is where hostile clients got through (the
+    connection audit): a client that never opened its flow-control window and hung up left its
+    connection, and a stop, waiting forever; a refusal sent before a stream's body was read
+    ended every other stream of the connection without an error event; a connection that sent
+    only the preface was never closed when idle. No OpenAI client needs HTTP/2. So the check
+    that switches is replaced by none: an `Upgrade: h2c` request is answered in HTTP/1.1 (RFC
+    9110 lets a server ignore Upgrade), and a preface is an HTTP/1.1 request for `*`, refused,
+    after which its binary rest ends the connection. Installed once, before serving."""
+    from hypercorn.protocol.h11 import H11Protocol
+
+    if getattr(H11Protocol, "http1_only", False):
+        return
+
+    async def never_switch(self, event) -> None:
+        return None
+
+    H11Protocol._check_protocol = never_switch
+    H11Protocol.http1_only = True
+    # At the open-file limit trio's accept loop logs a traceback each 0.1 s while it waits (1.2 MB
+    # a minute under a client that holds the server there): one line a minute is enough.
+    logging.getLogger("trio.serve_listeners").addFilter(_OncePerMinute())
+
+
+class _OncePerMinute(logging.Filter):
+    """Let one record through per minute, without its traceback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = -60.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import time
+
+        now = time.monotonic()
+        if now - self.last < 60.0:
+            return False
+        self.last = now
+        record.exc_info = record.exc_text = None
+        record.msg = f"{record.msg} (repeats are not logged for a minute)"
+        return True
 
 
 def _leaf_names(exc: BaseException) -> str:

@@ -1163,3 +1163,49 @@ def test_a_prompt_shorter_than_a_held_one_gets_its_fresh_reply(smollm2_dir: Path
         again, reused = reply(p[:1100])
     assert reused == 1024
     assert again == first
+
+
+def test_http2_is_not_spoken_so_its_hostile_clients_get_nowhere(server, http):
+    """hypercorn switches to HTTP/2 on its preface or an `Upgrade: h2c`, and its HTTP/2 side let
+    a client that never opened its flow-control window hold a connection (and a stop) forever,
+    and one refused stream end its neighbours (the connection audit). caldrix serves HTTP/1.1
+    alone, as llama-server and vLLM do: the preface is an HTTP/1.1 request for `*` (a 404),
+    whose binary rest ends the connection; an h2c upgrade is answered in HTTP/1.1."""
+    import socket
+
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    got = exchange(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+    assert got.startswith(b"HTTP/1.1 404 ") and b'"no such route"' in got
+    got = exchange(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                   b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"ok")
+    assert http.get("/healthz").text == "ok"
+
+
+def test_the_accept_loops_log_at_the_fd_limit_is_one_line_a_minute():
+    """At the open-file limit trio's accept loop logs a traceback every 0.1 s (1.2 MB a minute
+    while a client holds the server there)."""
+    import logging
+
+    from caldrix.server import _OncePerMinute
+
+    f = _OncePerMinute()
+    try:
+        raise OSError(24, "Too many open files")
+    except OSError:
+        import sys
+
+        exc = sys.exc_info()
+    records = [logging.LogRecord("trio.serve_listeners", logging.ERROR, __file__, 1, "accept returned %s", ("EMFILE",), exc)
+               for _ in range(600)]
+    passed = [r for r in records if f.filter(r)]
+    assert len(passed) == 1 and passed[0].exc_info is None
+    assert passed[0].getMessage() == "accept returned EMFILE (repeats are not logged for a minute)"
