@@ -21,6 +21,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 import weakref
 
 import trio
@@ -244,8 +245,6 @@ class _OncePerMinute(logging.Filter):
         self.last = -60.0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        import time
-
         now = time.monotonic()
         if now - self.last < 60.0:
             return False

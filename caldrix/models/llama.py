@@ -27,7 +27,7 @@ from caldrix.kernels.q4_quantize import quantize_head, quantize_linears
 from caldrix.kernels.q4 import Q8Embedding
 from caldrix.models.base import Attend, KVCache, attend_cached, input_rows
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED = ("llama", "qwen3")  # the model_types this file runs (caldrix.models.model_type reads them)
 
 
 @attrs.frozen
@@ -51,8 +51,8 @@ class DecoderConfig:
 
         raw = json.loads((Path(path) / "config.json").read_text())
         arch = model_type(path)
-        if arch not in SUPPORTED.values():
-            raise ValueError(f"not a {' or '.join(SUPPORTED.values())} model: {arch!r}")
+        if arch not in SUPPORTED:
+            raise ValueError(f"not a {' or '.join(SUPPORTED)} model: {arch!r}")
         refuse_unimplemented(raw)
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))

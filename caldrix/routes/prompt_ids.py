@@ -14,10 +14,9 @@ it held every other request, every stream's next chunk and /healthz for that lon
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
-
-import logging
 
 import trio
 
