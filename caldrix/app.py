@@ -67,6 +67,19 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
         return None
 
     @app.before_request
+    async def refuse_ambiguous_framing():
+        """A request carrying both Content-Length and Transfer-Encoding is a 400, and its
+        connection is closed (RFC 9112 6.3: a server MUST close after such a request; it may
+        refuse it). The two lengths can disagree, and a proxy in front that reads the other one
+        would see a second request hidden in this one's body. No client sends both."""
+        if "Content-Length" in request.headers and "Transfer-Encoding" in request.headers:
+            resp = error_response(ApiError(
+                400, "the request carries both Content-Length and Transfer-Encoding; send one", None))
+            resp.headers["Connection"] = "close"
+            return resp
+        return None
+
+    @app.before_request
     async def refuse_encoded_bodies():
         """A compressed body (Content-Encoding: gzip) is a 415 naming the encoding, as RFC 9110
         asks, before the body is read: parsed as it is, it read as "not UTF-8". No OpenAI client

@@ -23,6 +23,12 @@ _TYPE_BY_STATUS = {
 }
 
 
+def clip(s: str, limit: int = 64) -> str:
+    """`s` as an error message may quote it: cut to `limit` characters, the cut marked with an
+    ellipsis, so that a client's megabyte of text is not echoed back."""
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
 class ApiError(Exception):
     """A refusal or failure the client is told about.
 

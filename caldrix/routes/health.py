@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from quart import Blueprint, Response, current_app
 
-from caldrix.routes.errors import ApiError
+from caldrix.routes.errors import ApiError, clip
 from caldrix.routes.responses import json_response
 
 bp = Blueprint("health", __name__)
@@ -42,6 +42,6 @@ async def model(model: str):
     OpenAI's words for any other name. A repo id's slash may come as it is or as %2F."""
     rt = runtime()
     if model != rt.served_name:
-        return json_response({"error": {"message": f"The model '{model}' does not exist", "type": "invalid_request_error",
+        return json_response({"error": {"message": f"The model '{clip(model)}' does not exist", "type": "invalid_request_error",
                                         "param": "model", "code": "model_not_found"}}, 404)
     return json_response(_model_object(rt))

@@ -28,7 +28,7 @@ import attrs
 
 from caldrix.protocol import SamplingParams
 from caldrix.routes import strictjson
-from caldrix.routes.errors import ApiError
+from caldrix.routes.errors import ApiError, clip
 from caldrix.routes.fields import (  # the declarations this validator and openapi.py share
     IMAGE_PLACEHOLDER,
     MAX_MESSAGES,
@@ -197,12 +197,12 @@ def _template_kwargs(body: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         raise ApiError.invalid(f"must be an object, got {_kind(raw)}", "chat_template_kwargs")
     for key in raw:
         if not key.isidentifier():
-            raise ApiError.invalid(f'"{_clip(key)}" is not a name a template can read',
-                                   f"chat_template_kwargs.{_clip(key)}")
+            raise ApiError.invalid(f'"{clip(key)}" is not a name a template can read',
+                                   f"chat_template_kwargs.{clip(key)}")
         if key in RESERVED_TEMPLATE_KWARGS:
             raise ApiError.invalid(
-                f'"{_clip(key)}" cannot be set here: the server gives the template its messages and '
-                "generation prompt", f"chat_template_kwargs.{_clip(key)}")
+                f'"{clip(key)}" cannot be set here: the server gives the template its messages and '
+                "generation prompt", f"chat_template_kwargs.{clip(key)}")
     return tuple(raw.items())
 
 
@@ -236,7 +236,7 @@ def _model(body: dict[str, Any], ctx: ModelLimits) -> str:
         raise ApiError.invalid(f"must be a string, got {_kind(model)}", "model")
     if model != ctx.served_name:
         raise ApiError.invalid(
-            f'model "{_clip(model)}" is not served here; this server serves "{ctx.served_name}"',
+            f'model "{clip(model)}" is not served here; this server serves "{ctx.served_name}"',
             "model",
         )
     return model
@@ -322,7 +322,7 @@ def _message(m: Any, path: str, ctx: ModelLimits) -> ChatMessage:
         )
     if role not in ROLES:
         raise ApiError.invalid(
-            f'must be system, user, assistant or developer, got "{_clip(role)}"', f"{path}.role"
+            f'must be system, user, assistant or developer, got "{clip(role)}"', f"{path}.role"
         )
     if m.get("tool_calls") not in (None, []):
         raise ApiError.invalid("tool calls are not supported: this server has no tools", f"{path}.tool_calls")
@@ -374,7 +374,7 @@ def _text_part(part: Any, path: str, ctx: ModelLimits) -> str:
         raise ApiError.invalid('a content part needs a "type"', path)
     if not isinstance(kind, str):
         raise ApiError.invalid(f'a content part\'s "type" must be a string, got {_kind(kind)}', path)
-    raise ApiError.invalid(f'content part type "{_clip(kind)}" is not supported; use "text"', path)
+    raise ApiError.invalid(f'content part type "{clip(kind)}" is not supported; use "text"', path)
 
 
 def _raise_refusal(got: Any) -> Any:
@@ -471,7 +471,7 @@ def _include_usage(raw: Any, stream: bool) -> bool:
                                        f"stream_options.{key}")
         elif key != "include_usage":
             raise ApiError.invalid(
-                f'unknown field "{_clip(key)}" in stream_options; only include_usage is accepted',
+                f'unknown field "{clip(key)}" in stream_options; only include_usage is accepted',
                 f"stream_options.{key}",
             )
     return _flag(raw, "include_usage", param="stream_options.include_usage")
@@ -588,13 +588,9 @@ def _show(value: Any) -> str:
     if isinstance(value, int):
         if abs(value) >= strictjson.HUGE:  # read from a literal past Python's digit limit (bounded_int)
             return f"{'a negative' if value < 0 else 'an'} integer of more than {strictjson.INT_DIGITS} digits"
-        return _clip(str(value))
+        return clip(str(value))
     if isinstance(value, float):
         return repr(value)  # shortest round-trip; inf for a literal past a double's range
     if isinstance(value, str):
-        return json.dumps(_clip(value), ensure_ascii=False)
+        return json.dumps(clip(value), ensure_ascii=False)
     return _kind(value)
-
-
-def _clip(s: str, limit: int = 64) -> str:
-    return s if len(s) <= limit else s[: limit - 1] + "…"
