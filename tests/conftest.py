@@ -12,6 +12,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI (.ci/run sets CALDRIX_CI) draws the same examples each run, so that one run's verdict is
+# the code's and not the draw's; a plain `make test` draws fresh ones and may find new failures.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CALDRIX_CI"):
+    settings.load_profile("ci")
 
 
 def pytest_sessionstart(session):

@@ -29,13 +29,17 @@ LISTENING = re.compile(r"caldrix: listening on (http://\S+)/v1")
 CONTEXT = re.compile(r"caldrix: context (\d+) rows per sequence")
 
 
-def hold_slot(url: str, model: str, stop: threading.Event, max_tokens: int = 1000) -> None:
+def hold_slot(url: str, model: str, stop: threading.Event, max_tokens: int = 1000,
+              started: threading.Event | None = None) -> None:
     """Stream one long completion from the server at `url`, holding a slot until `stop` is set;
-    leaving closes the connection, and the scheduler frees the slot within a step. Run it on a
-    thread of its own."""
+    leaving closes the connection, and the scheduler frees the slot within a step. `started`,
+    where given, is set at the first token: from then on the completion holds a slot. Run it
+    on a thread of its own."""
     body = {"model": model, "prompt": "Count: 1 2 3", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        for _ in r.iter_lines():
+        for line in r.iter_lines():
+            if started is not None and line.startswith("data: "):
+                started.set()
             if stop.is_set():
                 return
 
@@ -160,9 +164,11 @@ class ServerProcess:
     def wait(self, timeout: float) -> int | None:
         """The exit status, or None if it is still running after `timeout` seconds."""
         try:
-            return self.proc.wait(timeout=timeout)
+            status = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
+        self._reader.join(timeout=5)  # its last lines are in self.stderr before anyone looks
+        return status
 
     def stop(self, timeout: float = 45.0) -> int:
         """SIGTERM, wait up to `timeout` s, then SIGKILL. Returns the exit status."""

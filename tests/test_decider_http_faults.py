@@ -254,15 +254,18 @@ def test_a_client_gone_midway_drops_the_kept_state(server):
     # 2. gone while a later prompt waits in the queue behind a completion that holds the slot
     done = threading.Event()
 
-    holder = threading.Thread(target=hold_slot, args=(srv.url, name, done))
+    holding = threading.Event()
+    holder = threading.Thread(target=hold_slot, args=(srv.url, name, done), kwargs={"started": holding})
     done0 = metric(srv, "e2e_request_latency_seconds_count")
     sock = _send(srv, body)
     try:
         wait_for(lambda: metric(srv, "e2e_request_latency_seconds_count") >= done0 + 3, "three prompts read")
         holder.start()
         # the completion takes the slot when the running prompt ends; the next prompt queues
-        wait_for(lambda: metric(srv, "num_requests_waiting") == 1 and metric(srv, "num_requests_running") == 1,
-                 "a prompt queued behind the completion")
+        # (the completion holds the slot once a token came: the one waiting is then a prompt,
+        # not the completion queued behind a prompt that is running)
+        wait_for(lambda: holding.is_set() and metric(srv, "num_requests_waiting") == 1
+                 and metric(srv, "num_requests_running") == 1, "a prompt queued behind the completion")
         assert metric(srv, "num_kept_states") == 1
         sock.close()
         # dropped while the completion still runs, not when the queue drains

@@ -242,7 +242,7 @@ def test_the_watcher_takes_a_hung_replica_out_and_puts_it_back(cluster):
         stream: dict = {}
 
         def run_stream() -> None:
-            body = {"model": MODEL, "prompt": "The history of bread begins", "max_tokens": 320,
+            body = {"model": MODEL, "prompt": "The history of bread begins", "max_tokens": 480,
                     "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             stream["sent_at"] = time.monotonic()
@@ -284,7 +284,7 @@ def test_the_watcher_takes_a_hung_replica_out_and_puts_it_back(cluster):
         _wait_until(lambda: not set(old_workers) & set(deploy._children(cluster.balancer.proc.pid)),
                     what="the old nginx worker to exit")
         *tokens, usage, done = stream["chunks"]
-        assert done == "[DONE]" and json.loads(usage)["usage"]["completion_tokens"] == 320, (usage, done)
+        assert done == "[DONE]" and json.loads(usage)["usage"]["completion_tokens"] == 480, (usage, done)
         assert json.loads(tokens[-1])["choices"][0]["finish_reason"] == "length", tokens[-1]
 
         os.kill(victim.proc.pid, signal.SIGCONT)

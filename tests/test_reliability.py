@@ -32,6 +32,7 @@ from server_harness import ServerProcess
 TIMEOUT = httpx.Timeout(120.0)
 REQUESTS = int(os.environ.get("CALDRIX_LOAD_REQUESTS", "150"))
 EXAMPLES = int(os.environ.get("CALDRIX_SCHEMATHESIS_EXAMPLES", "10"))
+CI_SEED = 20261207  # the schemathesis seed under CALDRIX_CI
 TOOL_BUG = "AST constructor recursion depth mismatch"
 CLIENTS = 32
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colours are",
@@ -113,7 +114,9 @@ def _valid(schema: dict, value, doc: dict) -> None:
 
 
 def test_schemathesis_positive_and_negative(server, http, refs, model_dir, tmp_path):
-    seed = int(os.environ.get("CALDRIX_SCHEMATHESIS_SEED", random.randrange(1 << 31)))
+    # a fixed seed in CI, as for the Hypothesis tests (tests/conftest.py); a fresh one elsewhere
+    fixed = CI_SEED if os.environ.get("CALDRIX_CI") else random.randrange(1 << 31)
+    seed = int(os.environ.get("CALDRIX_SCHEMATHESIS_SEED", fixed))
     print(f"schemathesis seed {seed} (rerun with CALDRIX_SCHEMATHESIS_SEED={seed})")
     st = Path(sys.executable).with_name("schemathesis")
     checks = ("not_a_server_error,status_code_conformance,content_type_conformance,"

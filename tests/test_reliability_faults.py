@@ -98,10 +98,10 @@ def _events(resp) -> list[dict | str]:
 def test_an_engine_fault_is_survived_and_reported(model_dir):
     model = model_dir.name
     srv = ServerProcess.start(model_dir, "--dtype", "float32", "--max-batch", "2", "--queue-depth", "4",
-                              "--context", "256", "--host", "0.0.0.0", env={"CALDRIX_TEST_FAULT_STEP": "80"})
+                              "--context", "512", "--host", "0.0.0.0", env={"CALDRIX_TEST_FAULT_STEP": "300"})
     try:
         assert len(re.findall(r"^caldrix: warning: .*no API key", srv.stderr, re.M)) == 1, srv.stderr
-        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True}
         streams = [_open_stream(srv.url, {**body, "stream": True}) for _ in range(2)]
         queued: dict = {}
 
@@ -112,6 +112,13 @@ def test_an_engine_fault_is_survived_and_reported(model_dir):
 
         t = threading.Thread(target=wait_whole)
         t.start()
+        # The third request must be waiting before the fault (step 300), or it is answered 503
+        # by a stopped engine instead of 500 by the failing one.
+        deadline = time.monotonic() + 60
+        while not re.search(r"^caldrix:num_requests_waiting\{[^}]*\} 1\.0$",
+                            httpx.get(srv.url + "/metrics", timeout=10).text, re.M):
+            assert time.monotonic() < deadline and t.is_alive(), "the third request never queued before the fault"
+            time.sleep(0.02)
         ends = []
         for client, resp in streams:
             assert resp.status_code == 200

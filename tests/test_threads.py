@@ -78,8 +78,8 @@ def test_a_cancel_waits_for_the_running_call():
     async def main():
         got = []
         with StepThread("t-cancel") as t:
+            t0 = trio.current_time()  # (before the timer starts: its 0.3 s is then a floor)
             threading.Timer(0.3, release.set).start()
-            t0 = trio.current_time()
             with trio.move_on_after(0.05) as scope:
                 got.append(await t.run(slow))  # the cancel at 0.05 s waits for slow()
                 got.append(trio.current_time() - t0)
@@ -117,10 +117,13 @@ def test_the_prefill_lane_picks_threads_and_opens_its_valve_when_a_chunk_starves
         time.sleep(0.1)
         return where(_batch)
 
+    shares: list[float] = []  # the share of a core each busy chunk measured for itself
+
     def busy(_batch):
-        t = time.thread_time()
+        t, w = time.thread_time(), time.monotonic()
         while time.thread_time() - t < 0.1:
             pass
+        shares.append((time.thread_time() - t) / (time.monotonic() - w))
         return where(_batch)
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -128,14 +131,28 @@ def test_the_prefill_lane_picks_threads_and_opens_its_valve_when_a_chunk_starves
     async def main():
         decode = DecodeLane()
         lane = PrefillLane(decode)
-        got = [await lane(where, Batch((), threads=0)), await lane(busy, Batch((), threads=1))]
-        assert lane.fair_until == 0.0  # a chunk that had its core does not open the valve
-        got += [await lane(starved, Batch((), threads=1)), await lane(where, Batch((), threads=1))]
-        for t in (*decode.threads, *lane.threads):
-            t.close()
-        return got
+        try:
+            got = [await lane(where, Batch((), threads=0))]
+            # A chunk that had its core does not open the valve. Whether a nice-10 thread gets
+            # its core is the machine's doing (about a tenth of one beside two busy processes):
+            # a chunk that measured itself starved proves nothing, so it runs again (5 tries).
+            for _ in range(5):
+                lane.fair_until = 0.0
+                ran = await lane(busy, Batch((), threads=1))
+                if shares[-1] >= 0.8:
+                    break
+            else:
+                return None
+            assert lane.fair_until == 0.0, shares
+            got += [ran, await lane(starved, Batch((), threads=1)), await lane(where, Batch((), threads=1))]
+            return got
+        finally:
+            for t in (*decode.threads, *lane.threads):
+                t.close()
 
     got = trio.run(main)
+    if got is None:
+        pytest.skip(f"a nice-{BESIDE_NICE} thread never had its core on this busy machine: {shares}")
     low = max(base, BESIDE_NICE) if sys.platform == "linux" else base
     assert got == [("caldrix step", base), ("caldrix prefill", low), ("caldrix prefill", low),
                    ("caldrix fair", base)]

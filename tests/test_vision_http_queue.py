@@ -133,11 +133,11 @@ def test_an_image_request_refused_at_submission_is_not_captured(tiny):  # noqa: 
     one that ran. The text request refused the same way is captured, so the ring is looked at."""
     _, _, path = tiny
     # A long context, so the text stream that holds the one slot runs for seconds on the tiny model.
-    with ServerProcess.start(path, "--dtype", "float32", "--context", "8192", "--served-name", "m",
+    with ServerProcess.start(path, "--dtype", "float32", "--context", "32768", "--served-name", "m",
                              "--queue-depth", "0", "--max-batch", "1") as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as http:
         stop = threading.Event()
-        holder = threading.Thread(target=hold_slot, args=(srv.url, "m", stop, 8000))
+        holder = threading.Thread(target=hold_slot, args=(srv.url, "m", stop, 32000))
         holder.start()
         try:
             deadline = time.monotonic() + 30
@@ -148,6 +148,8 @@ def test_an_image_request_refused_at_submission_is_not_captured(tiny):  # noqa: 
                 "model": "m", "max_tokens": 2,
                 "messages": ask([image_part(url("image/png", encoded("PNG", 16, 16, 5)), "low")])})
             text = http.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2})
+            # the image is prepared on an idle-priority thread, which a busy machine starves
+            assert holder.is_alive(), "the text stream ended before both requests were refused: make it longer"
         finally:
             stop.set()
             holder.join()

@@ -53,7 +53,9 @@ def test_two_decode_depth_wait_one_more_is_refused():
         async with trio.open_nursery() as nursery:
             for i in range(5):  # 2 take the slots, 3 wait
                 nursery.start_soon(request, f"r{i}", 2)
-            await wait_until(lambda: lim.decoding == 2 and lim.waiting == 3)
+            # both calls inside work, not only their slots borrowed: the slots' threads run at
+            # SCHED_IDLE and on a busy machine may not have started when the gate opens
+            await wait_until(lambda: lim.decoding == 2 and lim.waiting == 3 and work.now == 2)
             await request("late", 1)  # the sixth: refused at once, while the others still hold
             assert results["late"] == QUEUE_FULL == "the image decode queue is full"
             work.gate.set()
@@ -70,7 +72,7 @@ def test_a_waiter_that_goes_away_frees_its_place():
         async with trio.open_nursery() as nursery:
             for i in range(2):
                 nursery.start_soon(lim.run, [i], work)
-            await wait_until(lambda: lim.decoding == 2)
+            await wait_until(lambda: lim.decoding == 2 and work.now == 2)  # (as above)
             waiter_scope = trio.CancelScope()
 
             async def waiter():  # a client that disconnects while waiting
