@@ -335,10 +335,11 @@ class LaneEngine(FakeEngine):
 
 
 async def _chunk_held_beside_a_stream(engine: LaneEngine, tx, b_max_tokens: int = 2):
-    """Stream a (a one-token prompt, many tokens) until it decodes, then send b (10 prompt
+    """Stream a (a one-token prompt, endless tokens) until it decodes, then send b (10 prompt
     tokens) and wait until b's first chunk is held in the prefill lane. Returns both event
-    channels."""
-    a, a_rx = make_sub([1], max_tokens=60, rid="a", stop=frozenset())
+    channels; a runs until its receiver closes (with 60 tokens it could end, on a busy machine,
+    before the test looked at it beside b), or until the scheduler ends it."""
+    a, a_rx = make_sub([1], max_tokens=10**6, rid="a", stop=frozenset())
     await tx.send(a)
     await a_rx.receive()
     b, b_rx = make_sub(range(10, 20), max_tokens=b_max_tokens, rid="b")
@@ -361,6 +362,7 @@ def test_a_prompt_chunk_runs_beside_decode_steps_on_one_core_each():
                     await a_rx.receive()
             engine.release.set()
             assert [e.token_id for e in [e async for e in b_rx]] == [20, 21]
+            a_rx.close()
             await tx.aclose()
         beside = [bt for bt in engine.batches if bt.threads == 1]
         # decode steps, and b's chunks: 4, 4, 1, then its last token alone
