@@ -51,6 +51,20 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
     app.register_blueprint(systemone.bp)  # /v1/systemone
     app.register_blueprint(openapi.bp)  # /openapi.json
 
+    @app.before_request
+    async def refuse_ambiguous_framing():
+        """A request carrying both Content-Length and Transfer-Encoding is a 400, and its
+        connection is closed (RFC 9112 6.3: a server MUST close after such a request; it may
+        refuse it). The two lengths can disagree, and a proxy in front that reads the other one
+        would see a second request hidden in this one's body. No client sends both. It is the
+        first check, so that no other refusal answers such a request and keeps its connection."""
+        if "Content-Length" in request.headers and "Transfer-Encoding" in request.headers:
+            resp = error_response(ApiError(
+                400, "the request carries both Content-Length and Transfer-Encoding; send one", None))
+            resp.headers["Connection"] = "close"
+            return resp
+        return None
+
     # Browser origins (routes/origins.py): loopback pages and --allowed-origins; others a 403.
     extra_origins = tuple(getattr(getattr(rt, "cfg", None), "allowed_origins", ()) or ())
 
@@ -64,19 +78,6 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
         if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
             asked = request.headers.get("Access-Control-Request-Headers")
             return Response("", 204, headers=origins.preflight_headers(origin, asked))
-        return None
-
-    @app.before_request
-    async def refuse_ambiguous_framing():
-        """A request carrying both Content-Length and Transfer-Encoding is a 400, and its
-        connection is closed (RFC 9112 6.3: a server MUST close after such a request; it may
-        refuse it). The two lengths can disagree, and a proxy in front that reads the other one
-        would see a second request hidden in this one's body. No client sends both."""
-        if "Content-Length" in request.headers and "Transfer-Encoding" in request.headers:
-            resp = error_response(ApiError(
-                400, "the request carries both Content-Length and Transfer-Encoding; send one", None))
-            resp.headers["Connection"] = "close"
-            return resp
         return None
 
     @app.before_request
