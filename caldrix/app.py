@@ -10,7 +10,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from caldrix.routes import completions, debug, health, openapi, origins, prompt_ids, systemone
-from caldrix.routes.errors import ApiError
+from caldrix.routes.errors import ApiError, clip
 from caldrix.routes.responses import error_response, json_response  # noqa: F401 -- json_response: re-exported
 from caldrix.request_queue import RequestQueue
 from caldrix.runtime import Runtime
@@ -59,10 +59,9 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
         would see a second request hidden in this one's body. No client sends both. It is the
         first check, so that no other refusal answers such a request and keeps its connection."""
         if "Content-Length" in request.headers and "Transfer-Encoding" in request.headers:
-            resp = error_response(ApiError(
-                400, "the request carries both Content-Length and Transfer-Encoding; send one", None))
-            resp.headers["Connection"] = "close"
-            return resp
+            return error_response(ApiError(
+                400, "the request carries both Content-Length and Transfer-Encoding; send one", None,
+                headers={"Connection": "close"}))
         return None
 
     # Browser origins (routes/origins.py): loopback pages and --allowed-origins; others a 403.
@@ -87,11 +86,10 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
         compresses its requests; a proxy or a hand-made one may."""
         coding = request.headers.get("Content-Encoding", "").strip().lower()
         if coding not in ("", "identity") and request.method not in ("GET", "HEAD", "OPTIONS"):
-            resp = error_response(ApiError(
-                415, f"Content-Encoding {coding[:40]} is not supported; send the body uncompressed", None))
-            resp.headers["Accept-Encoding"] = "identity"
-            resp.headers["Connection"] = "close"  # the unread body is still on the wire, as for a 413
-            return resp
+            # (the unread body is still on the wire, as for a 413: the connection closes)
+            return error_response(ApiError(
+                415, f"Content-Encoding {clip(coding, 40)} is not supported; send the body uncompressed", None,
+                headers={"Accept-Encoding": "identity", "Connection": "close"}))
         return None
 
     @app.after_request
@@ -113,9 +111,7 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
             # Refused before the body is read: the unread rest of it is still on the wire, so
             # the connection cannot carry another request. Close it, or a keep-alive client's
             # next request on it hangs.
-            resp = error_response(ApiError.body_too_large(max_body))
-            resp.headers["Connection"] = "close"
-            return resp
+            return error_response(ApiError.body_too_large(max_body, headers={"Connection": "close"}))
         messages = {404: "no such route", 405: "method not allowed on this route"}
         if err.description == type(err).description:  # werkzeug's stock text speaks of a browser
             messages |= {400: "the request could not be understood (a WebSocket upgrade, or malformed framing)",

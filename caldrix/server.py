@@ -62,6 +62,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
     contain_connection_failures()
     http1_only()
+    quiet_accept_loop()
 
     # The bounded request channel: it holds the requests waiting beyond the running ones
     # (--queue-depth); a full queue is a 429 at the route (request_queue.py).
@@ -232,9 +233,14 @@ def http1_only() -> None:
 
     H11Protocol._check_protocol = never_switch
     H11Protocol.http1_only = True
-    # At the open-file limit trio's accept loop logs a traceback each 0.1 s while it waits (1.2 MB
-    # a minute under a client that holds the server there): one line a minute is enough.
-    logging.getLogger("trio.serve_listeners").addFilter(_OncePerMinute())
+
+
+def quiet_accept_loop() -> None:
+    """At the open-file limit trio's accept loop logs a traceback each 0.1 s while it waits (1.2 MB
+    a minute under a client that holds the server there): one line a minute is enough."""
+    log = logging.getLogger("trio.serve_listeners")
+    if not any(isinstance(f, _OncePerMinute) for f in log.filters):
+        log.addFilter(_OncePerMinute())
 
 
 class _OncePerMinute(logging.Filter):

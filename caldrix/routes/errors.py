@@ -80,8 +80,8 @@ class ApiError(Exception):
         return cls(400, message, param)
 
     @classmethod
-    def body_too_large(cls, limit_bytes: int) -> ApiError:
-        return cls(413, f"the request body is over {limit_bytes // (1 << 20)} MiB")
+    def body_too_large(cls, limit_bytes: int, headers: dict[str, str] | None = None) -> ApiError:
+        return cls(413, f"the request body is over {limit_bytes // (1 << 20)} MiB", headers=headers)
 
     @classmethod
     def queue_full(cls, headers: dict[str, str] | None = None) -> ApiError:
