@@ -156,3 +156,23 @@ def test_the_prefill_lane_picks_threads_and_opens_its_valve_when_a_chunk_starves
     low = max(base, BESIDE_NICE) if sys.platform == "linux" else base
     assert got == [("caldrix step", base), ("caldrix prefill", low), ("caldrix prefill", low),
                    ("caldrix fair", base)]
+
+
+def test_abandon_lets_a_thread_go_with_its_call_and_the_next_call_starts_afresh():
+    """An abandoned thread finishes the call in hand on its own and delivers its result where
+    that call said; the StepThread's next call runs at once, on a fresh thread."""
+    gate = threading.Event()
+    got: list = []
+    t = StepThread("t-abandon")
+    try:
+        first = t.submit(lambda: (gate.wait(10), threading.get_ident())[1], (), got.append)
+        t.abandon()
+        second = t.call(threading.get_ident)  # not queued behind the held call
+        assert second != first and got == []
+        old = next(th for th in threading.enumerate() if th.ident == first)
+        gate.set()
+        old.join(5)
+        assert not old.is_alive() and got[0].unwrap() == first
+    finally:
+        gate.set()
+        t.close()

@@ -16,6 +16,8 @@ Contract: `run` blocks the calling task (not the event loop) until the call retu
 never abandoned on cancel: a step that is writing KV rows must finish before anything touches
 them; a cancel arrives once it has. Calls run one at a time, in the order they were handed
 over. `close` ends the thread after its last call; whoever created the StepThread closes it.
+`abandon` lets the thread go with a call in hand (only for calls that touch nothing shared: an
+image's tile, never a step).
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ class StepThread:
         with self._lock:
             if self._thread is None:
                 # daemon: a process that exits without closing (a crash, a test) does not hang on it
-                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread = threading.Thread(target=self._serve, args=(self._calls,), name=self.name,
+                                                daemon=True)
                 self._thread.start()
 
-    def _serve(self) -> None:
+    def _serve(self, calls: queue.SimpleQueue) -> None:
         if sys.platform == "linux":
             tid = threading.get_native_id()
             try:  # the name `top -H` and `ps -L` show (Python sets none; 15 bytes at most)
@@ -76,7 +79,7 @@ class StepThread:
                 except (OSError, AttributeError):  # refused, or not in this Python: the nice value stands
                     pass
         while True:
-            call = self._calls.get()
+            call = calls.get()
             if call is None:
                 return
             fn, args, deliver = call
@@ -94,6 +97,15 @@ class StepThread:
 
         self._calls.put((fn, args, deliver))
         return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+
+    def submit(self, fn: Callable[..., T], args: tuple, deliver: Callable[[outcome.Outcome], None]) -> int:
+        """Hand fn(*args) over without waiting: `deliver(outcome)` is called on this thread when it
+        returns. Returns the thread's ident (for its CPU clock: time.pthread_getcpuclockid)."""
+        self._start()
+        with self._lock:
+            ident = self._thread.ident
+            self._calls.put((fn, args, deliver))
+        return ident
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on this thread, from plain (non-trio) code: blocks until it returns."""
@@ -116,6 +128,16 @@ class StepThread:
         if thread is not None:
             self._calls.put(None)
             thread.join()
+
+    def abandon(self) -> None:
+        """Let the thread go without waiting for it: it ends once the calls handed over so far
+        have run, and their results go wherever those calls said; the next call starts a fresh
+        thread. Only for calls that touch nothing another call could (sched/threads.py)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            calls, self._calls = self._calls, queue.SimpleQueue()
+        if thread is not None:
+            calls.put(None)
 
     def __enter__(self) -> "StepThread":
         return self

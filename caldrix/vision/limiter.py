@@ -19,6 +19,9 @@ when its request's images are done (the next request starts a fresh one): the to
 kernels give it an OpenMP team, and libgomp lets no team's idle threads spin once more threads
 are in teams than there are cores (sched/threads.py), so a team left behind slowed every later
 decode step of the server (text ITL 22 -> 35 ms after one image request, on 2 cores).
+Against other programs that keep every core busy, SCHED_IDLE would hold images back as long as
+they run; valve.py watches each call for that and moves it to the slot's second thread, at the
+process's priority ("caldrix imfair0", "caldrix imfair1"), ended with the slot's too.
 
 No HTTP here: a full queue raises `DecodeQueueFull`, which the route answers with its 429.
 """
@@ -28,9 +31,11 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
+import outcome
 import trio
 
 from caldrix.sched.threads import StepThread
+from caldrix.vision.valve import JUDGED_AFTER_S, WATCH_S, Valve, Watch, promote
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -57,9 +62,12 @@ class DecodeLimiter:
         self._limiter = trio.CapacityLimiter(slots)
         self.queue_depth = queue_depth
         self._waiting = 0
-        # One thread per slot, started on first use; a request takes a free one with its slot.
-        self._threads = [StepThread(f"caldrix image{i}", nice=IMAGE_NICE, idle=True) for i in range(slots)]
+        # Two threads per slot, started on first use: the idle-priority one, and the fair one the
+        # valve moves calls to; a request takes a free pair with its slot.
+        self._threads = [(StepThread(f"caldrix image{i}", nice=IMAGE_NICE, idle=True),
+                          StepThread(f"caldrix imfair{i}")) for i in range(slots)]
         self._free = list(self._threads)
+        self.valve = Valve()
 
     @property
     def decoding(self) -> int:
@@ -89,12 +97,13 @@ class DecodeLimiter:
                 await self._limiter.acquire_on_behalf_of(borrower)
             finally:
                 self._waiting -= 1
-        thread = self._free.pop()  # a slot is held: one of its threads is free
+        threads = self._free.pop()  # a slot is held: one pair of threads is free
+        slot = Slot(*threads, self.valve)
         try:
-            yield Slot(thread)
+            yield slot
         finally:
-            thread.close()  # its OpenMP team ends with it (the module docstring says why)
-            self._free.append(thread)
+            slot.renew()  # its OpenMP teams end with its threads (the module docstring says why)
+            self._free.append(threads)
             self._limiter.release_on_behalf_of(borrower)
 
     async def run(self, items: Sequence[T], fn: Callable[[T], R]) -> list[R]:
@@ -105,20 +114,59 @@ class DecodeLimiter:
 
     def close(self) -> None:
         """End the slots' threads once nothing runs on them (the server, as it stops)."""
-        for thread in self._threads:
-            thread.close()
+        for pair in self._threads:
+            for thread in pair:
+                thread.close()
 
 
 class Slot:
-    """A held decode slot (DecodeLimiter.slot): calls run one at a time on the slot's thread."""
+    """A held decode slot (DecodeLimiter.slot): calls run one at a time, on the slot's
+    idle-priority thread, or on its fair one while the valve is open (valve.py)."""
 
-    def __init__(self, thread: StepThread) -> None:
-        self._thread = thread
+    def __init__(self, idle: StepThread, fair: StepThread, valve: Valve) -> None:
+        self._idle = idle
+        self._fair = fair
+        self._valve = valve
 
     async def run(self, fn: Callable[..., R], *args) -> R:
-        return await self._thread.run(fn, *args)
+        """fn(*args) on one of the slot's threads. Like StepThread.run, a cancel arrives once
+        the call is done. fn must touch nothing shared: a starved call is run again on the fair
+        thread and the starved one let go with its result unread."""
+        if self._valve.is_open:
+            return await self._fair.run(fn, *args)
+        done = trio.Event()
+        box: list[outcome.Outcome] = []
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(result: outcome.Outcome) -> None:  # on the idle thread, maybe long after
+            box.append(result)
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:  # a let-go call that outlived the server
+                pass
+
+        watch = Watch(self._idle.submit(fn, args, deliver))
+        rerun: outcome.Outcome | None = None
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(JUDGED_AFTER_S):
+                await done.wait()
+            while not done.is_set():
+                if watch.starved():
+                    self._valve.open()
+                    if promote(self._idle.name):  # the call goes on, at the process's priority
+                        await done.wait()
+                        self._idle.close()  # the next idle call starts a fresh thread, at idle priority
+                        break
+                    self._idle.abandon()  # it ends after the starved call; the next call starts a fresh one
+                    rerun = await outcome.acapture(self._fair.run, fn, *args)
+                    break
+                with trio.move_on_after(WATCH_S):
+                    await done.wait()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return (rerun or box[0]).unwrap()
 
     def renew(self) -> None:
-        """End the slot's thread after the calls so far, and its OpenMP team with it; the next
-        call starts a fresh one."""
-        self._thread.close()
+        """End the slot's threads after the calls so far, and their OpenMP teams with them; the
+        next call starts a fresh one."""
+        self._idle.close()
+        self._fair.close()
