@@ -21,11 +21,10 @@ import logging
 import signal
 import socket
 import sys
-import time
-import weakref
 
 import trio
 
+from caldrix import connections
 from caldrix.config import ServeConfig
 from caldrix.request_queue import RequestQueue
 
@@ -60,9 +59,10 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
     from caldrix.app import create_app
 
-    contain_connection_failures()
-    http1_only()
-    quiet_accept_loop()
+    connections.contain_failures()
+    connections.http1_only()
+    connections.finish_before_closing()
+    connections.quiet_accept_loop()
 
     # The bounded request channel: it holds the requests waiting beyond the running ones
     # (--queue-depth); a full queue is a 429 at the route (request_queue.py).
@@ -72,10 +72,10 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.graceful_timeout = cfg.graceful_timeout
     # An idle keep-alive connection is closed after 5 s (hypercorn's default, and uvicorn's, so
-    # vLLM's), and at once when a stop begins; both only work with finish_shielded below.
+    # vLLM's), and at once when a stop begins; both only work with connections.finish_shielded below.
     hc.keep_alive_timeout = 5.0
     hc.accesslog = None
-    hc.alpn_protocols = ["http/1.1"]  # TLS clients too (http1_only)
+    hc.alpn_protocols = ["http/1.1"]  # TLS clients too (connections.http1_only)
     hc.errorlog = logging.getLogger("hypercorn.error")
     stop = trio.Event()
     # What loading made (the model's modules, the tokenizer's tables, the imported libraries:
@@ -91,7 +91,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
             async with queue.tx:  # closed once hypercorn is done: the scheduler then drains and ends
                 async with trio.open_nursery() as watchdog:
                     watchdog.start_soon(_cut_before_deadline, stop, rt.scheduler, cfg.graceful_timeout)
-                    await hypercorn_serve(finish_shielded(app), hc, shutdown_trigger=stop.wait,
+                    await hypercorn_serve(connections.finish_shielded(app), hc, shutdown_trigger=stop.wait,
                                           task_status=task_status, mode="asgi")
                     watchdog.cancel_scope.cancel()
         finally:
@@ -107,164 +107,6 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         say(f"caldrix: listening on {base_url(cfg.host, cfg.port, binds)}/v1")
         task_status.started(binds)
     say("caldrix: stopped")
-
-
-def finish_shielded(app):
-    """The ASGI app, with the send that ends each response shielded from cancellation.
-
-    Inside that send, hypercorn (0.18, HTTP/1.1) ends the request: it puts `http.disconnect` on
-    the app's receive channel, then either readies the connection for the next request, which
-    starts its idle watcher (the task that closes it after keep_alive_timeout, or at once when
-    a stop begins), or, once a stop has begun, closes it. quart-trio (0.12) cancels the
-    request's nursery as soon as its receive task sees that `http.disconnect`, and the
-    cancellation landed on the next checkpoint, still inside this send: the watcher never
-    started, or the close was skipped. An idle keep-alive connection then stayed open until
-    the client closed it, and a stop waited the whole --graceful-timeout for it. Shielded, the
-    send finishes that bookkeeping and the cancellation lands after it. The shield adds no wait
-    of its own: the one step that can block, the socket write, hypercorn already shields.
-    """
-
-    async def asgi(scope, receive, send):
-        gone = False  # the client hung up under this response: the rest of it has no reader
-
-        async def send_or_drop(message) -> None:
-            nonlocal gone
-            if gone:
-                return
-            try:
-                await send(message)
-            except trio.BusyResourceError:
-                # The client hung up while its refusal was written (a 413 or 415 with the body
-                # unread), and hypercorn's own error response for the cut body holds the socket.
-                gone = True
-                log.debug("a response met a connection closing under it")
-
-        async def send_last_shielded(message) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.CancelScope(shield=True):
-                    await send_or_drop(message)
-            else:
-                await send_or_drop(message)
-
-        if scope["type"] == "http":
-            await app(scope, receive, send_last_shielded)
-        else:
-            await app(scope, receive, send)
-
-    return asgi
-
-
-def contain_connection_failures() -> None:
-    """Keep a connection's failure in that connection.
-
-    hypercorn (0.18) runs each connection as a task of its listeners' nursery, and its
-    TCPServer.run lets any error but OSError out, which ends that nursery: the whole server. A
-    client that sends part of a body, then hangs up while the 413 or 415 refusing it is being
-    written, made one: hypercorn's error response for the cut body met the refusal still on the
-    socket (trio.BusyResourceError), and the process exited, every stream cut without an error
-    event. Here a connection's task closes its connection on any Exception and logs one line;
-    cancellation and KeyboardInterrupt pass as before. Installed once, before hypercorn's serve
-    builds its connections (it looks the class up in hypercorn.trio.run at that time)."""
-    import hypercorn.trio.run as hypercorn_run
-
-    base = hypercorn_run.TCPServer
-    if getattr(base, "contained", False):
-        return
-
-    class ContainedTCPServer(base):
-        contained = True
-
-        async def run(self) -> None:
-            _OPEN.add(self)
-            try:
-                await super().run()
-            except Exception as exc:
-                log.warning("a connection ended in %s; closed it, the server goes on", _leaf_names(exc))
-                with trio.CancelScope(shield=True):
-                    try:
-                        await self.stream.aclose()
-                    except Exception:  # already gone
-                        pass
-            finally:
-                _OPEN.discard(self)
-
-    hypercorn_run.TCPServer = ContainedTCPServer
-
-
-# The connections contain_connection_failures' class is serving now (each leaves as its task
-# ends; weak, so nothing here keeps one alive).
-_OPEN: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def close_open_connections() -> int:
-    """Close the socket of every connection still open, and say how many there were. A write
-    blocked on a client that stopped reading is shielded (hypercorn's, and finish_shielded's),
-    so no cancellation ends it and a stop would wait for it forever; closing the socket wakes
-    it with ClosedResourceError, which ends that connection's task."""
-    n = 0
-    for conn in list(_OPEN):
-        try:
-            conn.stream.socket.close()  # trio's close: wakes every task waiting on the socket
-        except Exception:  # already closed
-            continue
-        n += 1
-    return n
-
-
-def http1_only() -> None:
-    """Serve HTTP/1.1 alone, as llama-server, Ollama and vLLM (uvicorn) do.
-
-    hypercorn (0.18) also switches a cleartext connection to HTTP/2 on its preface or an
-    `Upgrade: h2c` request, and its HTTP/2 side is where hostile clients got through (the
-    connection audit): a client that never opened its flow-control window and hung up left its
-    connection, and a stop, waiting forever; a refusal sent before a stream's body was read
-    ended every other stream of the connection without an error event; a connection that sent
-    only the preface was never closed when idle. No OpenAI client needs HTTP/2. So the check
-    that switches is replaced by none: an `Upgrade: h2c` request is answered in HTTP/1.1 (RFC
-    9110 lets a server ignore Upgrade), and a preface is an HTTP/1.1 request for `*`, refused,
-    after which its binary rest ends the connection. Installed once, before serving."""
-    from hypercorn.protocol.h11 import H11Protocol
-
-    if getattr(H11Protocol, "http1_only", False):
-        return
-
-    async def never_switch(self, event) -> None:
-        return None
-
-    H11Protocol._check_protocol = never_switch
-    H11Protocol.http1_only = True
-
-
-def quiet_accept_loop() -> None:
-    """At the open-file limit trio's accept loop logs a traceback each 0.1 s while it waits (1.2 MB
-    a minute under a client that holds the server there): one line a minute is enough."""
-    log = logging.getLogger("trio.serve_listeners")
-    if not any(isinstance(f, _OncePerMinute) for f in log.filters):
-        log.addFilter(_OncePerMinute())
-
-
-class _OncePerMinute(logging.Filter):
-    """Let one record through per minute, without its traceback."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.last = -60.0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        now = time.monotonic()
-        if now - self.last < 60.0:
-            return False
-        self.last = now
-        record.exc_info = record.exc_text = None
-        record.msg = f"{record.msg} (repeats are not logged for a minute)"
-        return True
-
-
-def _leaf_names(exc: BaseException) -> str:
-    """The exception's type, or the types inside a (nested) exception group, sorted."""
-    if isinstance(exc, BaseExceptionGroup):
-        return ", ".join(sorted({name for e in exc.exceptions for name in _leaf_names(e).split(", ")}))
-    return type(exc).__name__
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -319,7 +161,7 @@ async def _cut_before_deadline(stop: trio.Event, scheduler, grace: float) -> Non
         await scheduler.cutoff.wait()
     scheduler.cutoff.set()
     await trio.sleep(CLOSE_AFTER_CUT_S)
-    n = close_open_connections()
+    n = connections.close_open()
     if n:
         say(f"caldrix: closed {n} connection{'s' if n > 1 else ''} still open {CLOSE_AFTER_CUT_S:.0f} s after the "
             "running requests were ended (clients that stopped reading)")

@@ -738,7 +738,7 @@ def test_a_compressed_body_is_415_naming_its_encoding(http, model):
 def test_clients_that_hang_up_on_a_refused_body_leave_the_server_up(server, http, model):
     """Part of a body, then the client hangs up while the 413 (or 415) is written: hypercorn's
     own error response for the cut body met the refusal on the socket, its connection task
-    raised, and that ended the whole server (server.contain_connection_failures)."""
+    raised, and that ended the whole server (connections.contain_failures)."""
     import socket
 
     heads = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -801,6 +801,57 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server, htt
             after = b""
     assert after == b"", after
     assert http.get("/healthz", timeout=10).text == "ok"
+
+
+def _read_until_closed(s) -> bytes:
+    got = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return got + b"<reset>"
+        if not chunk:
+            return got
+        got += chunk
+
+
+def test_a_refusal_is_written_whole_when_more_bytes_follow_its_request(server, model):
+    """A 415 closes its connection (the body is left unread), and h11 then expects nothing more
+    from the client. Bytes already sent behind the request (a pipelined request, or junk) met
+    hypercorn's reader while the 415 was being written, and it closed the connection between
+    the head and the body: about half the answers were lost (connections.finish_before_closing)."""
+    import socket
+
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
+    req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    tails = (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", b"y" * 5000)
+    for i in range(20):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(req + tails[i % 2])
+            got = _read_until_closed(s)
+        head, _, rest = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 415"), (i, got[:200])
+        assert json.loads(rest)["error"]["message"] == \
+            "Content-Encoding gzip is not supported; send the body uncompressed", (i, got)
+
+
+def test_a_close_request_with_bytes_behind_it_gets_its_answer(server, model):
+    """A client that says Connection: close may send nothing more; bytes it sends anyway are
+    dropped, and its request is answered (hypercorn answered them with a bare 400 and closed)."""
+    import socket
+
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}).encode()
+    req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    for tail in (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", b"y" * 5000):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+            s.sendall(req + tail)
+            got = _read_until_closed(s)
+        head, _, rest = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), got[:300]
+        assert json.loads(rest)["usage"]["completion_tokens"] == 3
+        assert got.count(b"HTTP/1.1") == 1  # the bytes behind it were not taken for a request
 
 
 def test_chunked_body_over_4_mib_is_413(http, model):
@@ -1224,7 +1275,7 @@ def test_the_accept_loops_log_at_the_fd_limit_is_one_line_a_minute():
     while a client holds the server there)."""
     import logging
 
-    from caldrix.server import _OncePerMinute
+    from caldrix.connections import _OncePerMinute
 
     f = _OncePerMinute()
     try:

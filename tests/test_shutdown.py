@@ -10,7 +10,7 @@ test starts its own (about 8 s on two cores), since SIGTERM ends it. What is che
 - requests in flight at SIGTERM, one streaming and one queued behind it, still finish whole, and
   the process exits right after them although their clients keep their connections open.
 
-Before the fix in caldrix/server.py (finish_shielded) the first and last took 30 s to stop and
+Before the fix in caldrix/connections.py (finish_shielded) the first and last took 30 s to stop and
 the second never saw its connection closed.
 """
 
