@@ -64,7 +64,12 @@ def _uniform_if_empty(p: Sequence[float]) -> list[float]:
 
 
 def choice_confidence(p: Sequence[float]) -> float:
-    """max(0, (p_best - 1/n) / (1 - 1/n)), 1 with one option."""
+    """max(0, (p_best - 1/n) / (1 - 1/n)), 1 with one option.
+
+    Written as decider's package computes it, (n * p_max - 1) / (n - 1) on the normalized
+    vector, so the digits match that package's to the last bit; systemone/reading.py keeps the
+    spec's order of operations, whose example answer it reproduces exactly. The two differ in
+    the last bits only."""
     n = len(p)
     if n <= 1:
         return 1.0

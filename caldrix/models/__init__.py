@@ -35,7 +35,11 @@ def model_type(path: Path) -> str:
     config.json's `model_type` decides, as it does for transformers' Auto classes: a Mistral
     config whose `architectures` says LlamaForCausalLM is a Mistral (with its sliding window),
     and is refused. The class names count only in a config without `model_type`."""
-    raw = json.loads((Path(path) / "config.json").read_text())
+    return model_type_of(json.loads((Path(path) / "config.json").read_text()))
+
+
+def model_type_of(raw: dict) -> str:
+    """model_type for a config.json already read."""
     archs = raw.get("architectures") or []
     declared = raw.get("model_type")
     if declared:

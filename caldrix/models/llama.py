@@ -47,10 +47,10 @@ class DecoderConfig:
 
     @classmethod
     def from_dir(cls, path: Path) -> "DecoderConfig":
-        from caldrix.models import model_type  # the package's one reading of an architecture
+        from caldrix.models import model_type_of  # the package's one reading of an architecture
 
         raw = json.loads((Path(path) / "config.json").read_text())
-        arch = model_type(path)
+        arch = model_type_of(raw)
         if arch not in SUPPORTED:
             raise ValueError(f"not a {' or '.join(SUPPORTED)} model: {arch!r}")
         refuse_unimplemented(raw)
