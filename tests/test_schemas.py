@@ -226,7 +226,28 @@ PEER_NOT_NEUTRAL = [
     ("guided_regex", "[a-z]+"), ("guided_json", {"type": "object"}), ("add_generation_prompt", False),
     ("continue_final_message", True), ("chat_template", "{{ messages }}"), ("grammar", "root ::= x"),
     ("mirostat", 2), ("repeat_penalty", 1.1), ("min_tokens", True),
+    ("n_predict", 4), ("dynatemp_range", 1.0), ("top_n_sigma", 0.01), ("min_keep", 5),
+    ("t_max_predict_ms", 100), ("n_keep", -1), ("n_indent", 2), ("lora", [{"id": 0, "scale": 1}]),
+    ("return_tokens", True), ("timings_per_token", True), ("post_sampling_probs", True),
+    ("response_fields", ["content"]), ("truncate_prompt_tokens", 10), ("return_tokens_as_token_ids", True),
+    ("logits_processors", ["x"]), ("max_new_tokens", 20), ("epsilon_cutoff", 3e-4), ("eta_cutoff", 3e-4),
+    ("web_search_options", {"search_context_size": "high"}),
 ]
+# ... and accepted at their off value, or null: what llama-server's web page, vLLM's and HF's
+# clients send by default.
+PEER_NEUTRAL = [
+    ("n_predict", -1), ("dynatemp_range", 0.0), ("top_n_sigma", -1), ("min_keep", 0), ("t_max_predict_ms", 0),
+    ("n_keep", 0), ("lora", []), ("return_tokens", False), ("timings_per_token", False),
+    ("truncate_prompt_tokens", None), ("max_new_tokens", None), ("web_search_options", None), ("echo", False),
+    # settings that only tune one that is off
+    ("dry_base", 1.75), ("xtc_threshold", 0.1), ("mirostat_tau", 5.0), ("repeat_last_n", 64),
+]
+
+
+@pytest.mark.parametrize("field, value", PEER_NEUTRAL)
+def test_peers_feature_fields_pass_at_their_off_value(field, value):
+    chat(**{field: value})
+    completion(**{field: value})
 
 
 @pytest.mark.parametrize("field, value", PEER_NOT_NEUTRAL)

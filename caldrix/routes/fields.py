@@ -92,6 +92,10 @@ NOT_IMPLEMENTED: tuple[NotImplementedField, ...] = (
 # The spec accepts a field it does not name, but refuses "any other sampling or feature field":
 # a field that changes the reply is one, and sent at a value that would change it, is refused as
 # those above are, never ignored; at its off value (what this server does anyway) it is accepted.
+# A setting that only tunes another one (llama-server's dry_base, xtc_threshold, mirostat_tau,
+# repeat_last_n; vLLM's guided_decoding_backend) is not listed: it changes nothing while the one
+# it tunes is off, which it is wherever a request gets past this list, and llama-server's own
+# web page sends them all at their defaults.
 PEER_FEATURES: tuple[NotImplementedField, ...] = (
     # OpenAI
     NotImplementedField("echo", (False,), "false"),
@@ -130,6 +134,28 @@ PEER_FEATURES: tuple[NotImplementedField, ...] = (
     NotImplementedField("dry_multiplier", (0,), "0"),
     NotImplementedField("xtc_probability", (0,), "0"),
     NotImplementedField("repeat_penalty", (1,), "1 (the field here is repetition_penalty)"),
+    NotImplementedField("n_predict", (-1,), "-1 (the field here is max_tokens)"),
+    NotImplementedField("dynatemp_range", (0,), "0"),
+    NotImplementedField("top_n_sigma", (-1,), "-1"),
+    NotImplementedField("min_keep", (0,), "0"),
+    NotImplementedField("t_max_predict_ms", (0,), "0"),
+    NotImplementedField("n_keep", (0,), "0"),
+    NotImplementedField("n_indent", (0,), "0"),
+    NotImplementedField("lora", ([],), "[]"),
+    NotImplementedField("return_tokens", (False,), "false (the field here is return_token_ids)"),
+    NotImplementedField("timings_per_token", (False,), "false"),
+    NotImplementedField("post_sampling_probs", (False,), "false"),
+    NotImplementedField("response_fields", (), "null"),
+    # vLLM, again
+    NotImplementedField("truncate_prompt_tokens", (), "null"),
+    NotImplementedField("return_tokens_as_token_ids", (False,), "false"),
+    NotImplementedField("logits_processors", (), "null"),
+    # Hugging Face's generate() and TGI
+    NotImplementedField("max_new_tokens", (), "null (the field here is max_tokens)"),
+    NotImplementedField("epsilon_cutoff", (0,), "0"),
+    NotImplementedField("eta_cutoff", (0,), "0"),
+    # OpenAI, again
+    NotImplementedField("web_search_options", (), "null"),
 )
 
 
