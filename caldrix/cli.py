@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if prompt == "-":
                 prompt = sys.stdin.read()
+                if args.chat:  # the line end echo and heredocs add is no part of a message typed as an argument
+                    prompt = prompt.removesuffix("\n").removesuffix("\r")
             if not prompt:
                 parser.error("PROMPT: the prompt is empty")
             return _quietly(lambda: run_once(config_from(args, model), prompt, chat=args.chat,

@@ -79,6 +79,23 @@ def test_run_streams_the_greedy_reply(smollm2_dir):
     assert got.stdout == want + "\n"
 
 
+def test_a_chat_prompt_from_stdin_loses_its_final_line_end(smollm2_dir):
+    """`echo QUESTION | caldrix run - --chat` asks what `caldrix run QUESTION --chat` asks: the
+    line end echo adds is no part of the message. A context too small for either prompt makes
+    each run name its prompt's length and stop (exit 2)."""
+    question = "What is the capital of France?"
+    lengths = set()
+    for source, stdin in (("-", question + "\n"), ("-", question + "\r\n"), (question, None)):
+        got = caldrix("run", str(smollm2_dir), source, "--chat", "--context", "16", "--dtype", "float32", stdin=stdin)
+        assert got.returncode == 2, got.stderr
+        lengths.add(got.stderr.strip().splitlines()[-1])
+    assert len(lengths) == 1, lengths
+    # a raw prompt is taken exactly as sent
+    raw = [caldrix("run", str(smollm2_dir), "-", "--context", "16", "--dtype", "float32", stdin=question * 3 + end)
+           for end in ("", "\n")]
+    assert raw[0].stderr.strip().splitlines()[-1] != raw[1].stderr.strip().splitlines()[-1]
+
+
 def test_an_empty_prompt_from_stdin_exits_2_at_once():
     out = caldrix("run", "-", stdin="", timeout=60)  # it once loaded the model and then hung
     assert out.returncode == 2 and "the prompt is empty" in out.stderr
