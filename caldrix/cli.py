@@ -302,6 +302,13 @@ def _quietly(generate) -> int:
         return 141
 
 
+def stdin_prompt(text: str, chat: bool) -> str:
+    """The prompt `caldrix run -` read: exactly as sent, or for --chat less one final line end
+    (echo's and a heredoc's are no part of a message typed as an argument)."""
+    if chat and text.endswith("\n"):
+        return text[:-2] if text.endswith("\r\n") else text[:-1]
+    return text
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -330,9 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             from caldrix.run import run_once
 
             if prompt == "-":
-                prompt = sys.stdin.read()
-                if args.chat:  # the line end echo and heredocs add is no part of a message typed as an argument
-                    prompt = prompt.removesuffix("\n").removesuffix("\r")
+                prompt = stdin_prompt(sys.stdin.read(), args.chat)
             if not prompt:
                 parser.error("PROMPT: the prompt is empty")
             return _quietly(lambda: run_once(config_from(args, model), prompt, chat=args.chat,
