@@ -309,6 +309,7 @@ def stdin_prompt(text: str, chat: bool) -> str:
         return text[:-2] if text.endswith("\r\n") else text[:-1]
     return text
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
