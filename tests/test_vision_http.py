@@ -339,3 +339,27 @@ def test_image_requests_leave_no_threads_behind(client, server):
     while threads() != before and time.monotonic() < deadline:
         time.sleep(0.05)  # a slot's thread may still be on its way out
     assert threads() == before
+
+
+def test_systemone_on_a_vision_model_reads_the_question(server, tiny):
+    """/v1/systemone on a vision model: Idefics3's template writes content parts only, so the
+    question goes to it as one text part, as chat's messages do. Handed a plain string, the
+    template wrote an empty user turn, and every answer was the same whatever the state."""
+    ref, tok, _ = tiny
+    question = {"type": "noul", "instructions": "Is the customer angry?"}
+    answers = []
+    for state in ("I was charged twice.", "The parcel came early and the support team was lovely. " * 3):
+        r = httpx.post(server.url + "/v1/systemone", timeout=120,
+                       json={"model": "m", "state": state, "questions": {"angry": question}})
+        assert r.status_code == 200, r.text
+        message = f"State:\n{state}\n\nQuestion:\nIs the customer angry?\n\nReply with Yes or No and nothing else."
+        ids = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": message}]}],
+                                      tokenize=True, add_generation_prompt=True, return_dict=False)
+        labels = [tok("Yes", add_special_tokens=False)["input_ids"][0], tok("No", add_special_tokens=False)["input_ids"][0]]
+        with torch.inference_mode():
+            want = torch.softmax(ref(input_ids=torch.tensor([ids])).logits[0, -1, labels].float(), 0)[0].item()
+        got = r.json()
+        assert got["usage"]["input_tokens"] == len(ids)
+        assert abs(got["answers"]["angry"]["noul"] - want) < 1e-5
+        answers.append(got["answers"]["angry"]["noul"])
+    assert answers[0] != answers[1]

@@ -53,7 +53,9 @@ def reading_for(rt) -> Reading:
     reading = ext.get("caldrix.systemone")
     if reading is None:
         decider = getattr(rt, "decider", None)
-        reading = DeciderReading(decider) if decider is not None else ZeroShot(rt.tokenizer, rt.vocab_size)
+        vision = ext.get("caldrix.vision") is not None  # its template reads content parts, as chat sends them
+        reading = (DeciderReading(decider) if decider is not None
+                   else ZeroShot(rt.tokenizer, rt.vocab_size, parts=vision))
         ext["caldrix.systemone"] = reading
     return reading
 

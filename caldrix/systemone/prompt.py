@@ -77,11 +77,13 @@ def _yes_first(q: Question):
     return by_name["true"], by_name["false"]
 
 
-def render(hf_tokenizer: Any, message: str) -> str:
+def render(hf_tokenizer: Any, message: str, parts: bool = False) -> str:
     """The prompt text: `message` as the one user turn, through the chat template, ending with
-    the assistant's generation prompt, thinking off."""
+    the assistant's generation prompt, thinking off. `parts`: hand the template the message as
+    one text part, as the chat route does on a vision model, whose template (Idefics3's) writes
+    only content parts and would drop a plain string."""
     return hf_tokenizer.apply_chat_template(
-        [{"role": "user", "content": message}],
+        [{"role": "user", "content": [{"type": "text", "text": message}] if parts else message}],
         tokenize=False,
         add_generation_prompt=True,
         enable_thinking=False,

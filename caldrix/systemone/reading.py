@@ -150,6 +150,7 @@ class ZeroShot:
 
     tokenizer: Any  # caldrix.tokenizer.Tokenizer
     vocab_size: int  # the model's rows: a label id must be below it
+    parts: bool = False  # the template reads content parts only (a vision model: prompt.render)
     limits: Limits = Limits()
     _label_ids: dict[str, int | None] = attrs.field(factory=dict, init=False)
 
@@ -183,7 +184,8 @@ class ZeroShot:
     def plan(self, req: SystemOneRequest, context: int) -> list[Plan]:
         hf = self.tokenizer.hf
         read = [self.label_ids(self.labels(q)) for q in req.questions]
-        texts = [zs_prompt.render(hf, zs_prompt.user_message(req.state, q, self.labels(q))) for q in req.questions]
+        texts = [zs_prompt.render(hf, zs_prompt.user_message(req.state, q, self.labels(q)), self.parts)
+                 for q in req.questions]
         # Before tokenizing anything: a prompt whose bytes need more tokens than the context
         # holds, even at the vocabulary's longest token each, cannot fit.
         for q, text in zip(req.questions, texts):
