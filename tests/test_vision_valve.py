@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from caldrix.vision import limiter as limiter_mod
+from caldrix.vision import valve
 from caldrix.vision.limiter import DecodeLimiter
 from caldrix.vision.valve import JUDGED_AFTER_S, Watch, starved
 
@@ -113,6 +114,10 @@ def test_a_call_starved_by_other_programs_runs_again_on_the_fair_thread(monkeypa
         (first, second), opened = run_two_calls()
     assert opened
     assert first == ("caldrix imfair1", os.SCHED_OTHER) and second == first
+    # the let-go thread finishes its call once the machine is free, and ends (it may have already)
+    for t in [t for t in threading.enumerate() if t.name == "caldrix image1"]:
+        t.join(30)
+        assert not t.is_alive()
 
 
 @linux
@@ -136,6 +141,7 @@ def test_a_call_that_waits_for_caldrixs_own_work_stays_at_idle_priority():
     for t in spinners:
         t.start()
     threading.Timer(2.0, stop.set).start()
+    machine, own = valve._machine_busy(), valve._own_busy()
     try:
         t0 = time.monotonic()
         (got,), opened = trio.run(lambda: _one_call())
@@ -144,6 +150,9 @@ def test_a_call_that_waits_for_caldrixs_own_work_stays_at_idle_priority():
         stop.set()
         for t in spinners:
             t.join()
+    others = (valve._machine_busy() - machine - (valve._own_busy() - own)) / valve._TICK / waited
+    if others >= valve.OTHERS_BUSY:  # then the valve is right to open: this case cannot be set up here
+        pytest.skip(f"other programs used {others:.1f} cores meanwhile")
     assert got == ("caldrix image1", os.SCHED_IDLE) and not opened
     assert waited >= 1.0, f"the call was never starved ({waited:.2f} s): the test proved nothing"
 
