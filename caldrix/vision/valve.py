@@ -32,13 +32,13 @@ import logging
 import os
 import time
 
+from caldrix.sched.runners import FAIR_HOLD_S, STARVED_SHARE  # the prefill lane's valve's: one policy for both
+
 log = logging.getLogger("caldrix")
 
-STARVED_SHARE = 0.5  # a call that got less than this share of a core ran starved
 OTHERS_BUSY = 0.5  # cores other programs used meanwhile for the starving to be theirs
 JUDGED_AFTER_S = 0.5  # a call is first judged after this long (a tile takes about 0.15 s alone)
 WATCH_S = 0.25  # how often a running call is judged after that
-FAIR_HOLD_S = 30.0  # how long image calls keep the process's priority once the valve opens
 
 try:
     _TICK = os.sysconf("SC_CLK_TCK")
