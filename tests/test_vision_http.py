@@ -305,6 +305,8 @@ def test_decode_queue_full_is_a_429(tiny):
     image_full = [r for r in answers if r.status_code == 429
                   and r.json()["error"]["message"] == "the image decode queue is full"]
     assert image_full, [r.text for r in answers]
+    for r in image_full:  # docs/http.md: the image queue's 429 says when to retry, as the request queue's does
+        assert 1 <= int(r.headers["Retry-After"]) <= 60 and int(r.headers["retry-after-ms"]) >= 1, r.headers
 
 
 def test_image_requests_leave_no_threads_behind(client, server):

@@ -94,6 +94,51 @@ def test_a_waiter_that_goes_away_frees_its_place():
     trio.run(main)
 
 
+def test_a_refusal_carries_what_retry_after_is_estimated_from():
+    """The 429's Retry-After (routes/backoff.py) comes from how long recent requests held a slot,
+    how many wait and how many slots serve them: the refusal carries all three."""
+    from caldrix.routes import backoff
+
+    async def main():
+        lim, work = DecodeLimiter(queue_depth=1, slots=1), Work()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lim.run, ["a"], work)
+            await wait_until(lambda: work.now == 1)
+            nursery.start_soon(lim.run, ["b"], work)
+            await wait_until(lambda: lim.waiting == 1)
+            with pytest.raises(DecodeQueueFull) as first:
+                await lim.run(["c"], work)
+            assert first.value.held == () and first.value.waiting == 1 and first.value.slots == 1
+            assert backoff.estimate(first.value.held, 1, 1) == 1.0  # nothing has held a slot yet
+            await trio.sleep(0.3)  # "a" holds its slot at least this long
+            work.gate.set()
+        work.gate.clear()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lim.run, ["d"], work)
+            await wait_until(lambda: work.now == 1)
+            nursery.start_soon(lim.run, ["e"], work)
+            await wait_until(lambda: lim.waiting == 1)
+            with pytest.raises(DecodeQueueFull) as second:
+                await lim.run(["f"], work)
+            work.gate.set()
+        held = second.value.held
+        assert len(held) == 2 and held[0] >= 0.3, held  # "a", then "b" (released at once)
+        want = (held[0] + held[1]) / 2 * 2  # the mean hold, times the one waiting plus one
+        assert backoff.estimate(held, second.value.waiting, 1) == pytest.approx(max(want, backoff.FLOOR_S))
+
+    trio.run(main)
+
+
+def test_the_estimate_is_the_mean_hold_per_place_clamped():
+    from caldrix.routes import backoff
+
+    assert backoff.estimate([], 5, 2) == 1.0
+    assert backoff.estimate([2.0, 4.0], 1, 2) == pytest.approx(3.0)  # mean 3 s, 2 places ahead, 2 served at once
+    assert backoff.estimate([0.01], 0, 8) == backoff.FLOOR_S
+    assert backoff.estimate([100.0], 3, 1) == backoff.CEILING_S
+    assert backoff.estimate([1000.0] * 10 + [1.0] * backoff.RECENT, 0, 1) == pytest.approx(1.0)  # recent only
+
+
 def test_one_requests_images_run_one_at_a_time():
     async def main():
         lim = DecodeLimiter(queue_depth=0)

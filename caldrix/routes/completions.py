@@ -119,8 +119,9 @@ async def _vision_chat(rt, req, size: int):
     try:
         spans = await embed_request(vs, plan, rt.engine.embed_images, rt.engine.put_embeddings,
                                     lambda: slot_threads(rt.scheduler.statistics().running, rt.engine.max_threads))
-    except DecodeQueueFull:
-        raise ApiError.image_queue_full() from None
+    except DecodeQueueFull as full:
+        wait = backoff.estimate(full.held, full.waiting, full.slots)
+        raise ApiError.image_queue_full(backoff.headers(wait)) from None
     except ImageFailed as exc:
         raise ApiError.invalid(str(exc), exc.param) from None
     return await _generate("chatcmpl", "chat.completion", req, ids, "messages", embeds=spans)

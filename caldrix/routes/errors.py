@@ -88,8 +88,8 @@ class ApiError(Exception):
         return cls(429, "the request queue is full", headers=headers)
 
     @classmethod
-    def image_queue_full(cls) -> ApiError:
-        return cls(429, "the image decode queue is full")
+    def image_queue_full(cls, headers: dict[str, str] | None = None) -> ApiError:
+        return cls(429, "the image decode queue is full", headers=headers)
 
     @classmethod
     def engine_failed(cls, detail: str | None = None) -> ApiError:

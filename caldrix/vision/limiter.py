@@ -23,11 +23,14 @@ Against other programs that keep every core busy, SCHED_IDLE would hold images b
 they run; valve.py watches each call for that and moves it to the slot's second thread, at the
 process's priority ("caldrix imfair0", "caldrix imfair1"), ended with the slot's too.
 
-No HTTP here: a full queue raises `DecodeQueueFull`, which the route answers with its 429.
+No HTTP here: a full queue raises `DecodeQueueFull`, which the route answers with its 429; the
+exception carries what routes/backoff.py needs for Retry-After (how long recent requests held a
+slot, how many wait).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
@@ -44,13 +47,19 @@ DECODE_SLOTS = 2
 # the slots' threads' Linux nice value where SCHED_IDLE is refused: below the engine's steps (0)
 IMAGE_NICE = 10
 QUEUE_FULL = "the image decode queue is full"
+HOLDS_KEPT = 32  # recent slot-hold times kept for the 429's Retry-After estimate
 
 
 class DecodeQueueFull(Exception):
-    """Every decode slot is taken and `queue_depth` requests already wait: answer 429."""
+    """Every decode slot is taken and `queue_depth` requests already wait: answer 429.
+    `held`: seconds each of the recent requests held its slot, oldest first; `waiting` and
+    `slots` as the limiter had them when it refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: tuple[float, ...] = (), waiting: int = 0, slots: int = DECODE_SLOTS) -> None:
         super().__init__(QUEUE_FULL)
+        self.held = held
+        self.waiting = waiting
+        self.slots = slots
 
 
 class DecodeLimiter:
@@ -60,6 +69,8 @@ class DecodeLimiter:
         if slots < 1 or queue_depth < 0:
             raise ValueError("slots must be at least 1 and queue_depth at least 0")
         self._limiter = trio.CapacityLimiter(slots)
+        self._slots = slots
+        self._held: collections.deque[float] = collections.deque(maxlen=HOLDS_KEPT)
         self.queue_depth = queue_depth
         self._waiting = 0
         # Two threads per slot, started on first use: the idle-priority one, and the fair one the
@@ -91,7 +102,7 @@ class DecodeLimiter:
             self._limiter.acquire_on_behalf_of_nowait(borrower)
         except trio.WouldBlock:
             if self._waiting >= self.queue_depth:
-                raise DecodeQueueFull() from None
+                raise DecodeQueueFull(tuple(self._held), self._waiting, self._slots) from None
             self._waiting += 1
             try:
                 await self._limiter.acquire_on_behalf_of(borrower)
@@ -99,10 +110,12 @@ class DecodeLimiter:
                 self._waiting -= 1
         threads = self._free.pop()  # a slot is held: one pair of threads is free
         slot = Slot(*threads, self.valve)
+        since = trio.current_time()
         try:
             yield slot
         finally:
             slot.renew()  # its OpenMP teams end with its threads (the module docstring says why)
+            self._held.append(trio.current_time() - since)
             self._free.append(threads)
             self._limiter.release_on_behalf_of(borrower)
 
