@@ -98,7 +98,10 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
             signals.cancel()  # the server is down: stop catching signals, so the nursery can end
         vision = app.extensions.get("caldrix.vision")
         if vision is not None:  # every handler has ended, so nothing runs on its threads
-            vision.limiter.close()
+            still = vision.limiter.close()
+            if still:
+                log.warning("%d image thread(s) let go under load still run; the process may abort "
+                            "as it exits (\"terminate called without an active exception\")", still)
 
     async with trio.open_nursery() as nursery:
         signals = await nursery.start(_wait_for_signal, stop, rt.scheduler)

@@ -176,3 +176,24 @@ def test_abandon_lets_a_thread_go_with_its_call_and_the_next_call_starts_afresh(
     finally:
         gate.set()
         t.close()
+
+
+def test_wait_let_go_waits_for_the_threads_abandon_let_go_and_says_how_many_still_run():
+    """Whoever ends the process waits for let-go threads (a thread still inside torch at exit
+    aborts it), up to a bound: the count left is what it could not wait out."""
+    gate = threading.Event()
+    t = StepThread("t-let-go")
+    try:
+        assert t.wait_let_go(0) == 0  # none let go yet
+        t.submit(gate.wait, (10,), lambda _: None)
+        t.abandon()
+        t.submit(gate.wait, (10,), lambda _: None)  # a fresh thread, let go in its turn
+        t.abandon()
+        began = time.monotonic()
+        assert t.wait_let_go(0.2) == 2
+        assert time.monotonic() - began < 2  # the bound is for all of them, not each
+        gate.set()
+        assert t.wait_let_go(10) == 0
+    finally:
+        gate.set()
+        t.close()

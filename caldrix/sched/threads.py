@@ -17,7 +17,9 @@ never abandoned on cancel: a step that is writing KV rows must finish before any
 them; a cancel arrives once it has. Calls run one at a time, in the order they were handed
 over. `close` ends the thread after its last call; whoever created the StepThread closes it.
 `abandon` lets the thread go with a call in hand (only for calls that touch nothing shared: an
-image's tile, never a step).
+image's tile, never a step); `wait_let_go` is for whoever ends the process, since a thread still
+inside torch's kernels when the interpreter exits aborts it ("terminate called without an active
+exception").
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from typing import Callable, TypeVar
 
 import outcome
@@ -51,6 +54,9 @@ class StepThread:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # Threads `abandon` let go that may still run. Bounded in use: a thread is let go only
+        # when a call on it starved (vision/valve.py), and an ended one is dropped at the next.
+        self._let_go: list[threading.Thread] = []
 
     def _start(self) -> None:
         with self._lock:
@@ -136,8 +142,22 @@ class StepThread:
         with self._lock:
             thread, self._thread = self._thread, None
             calls, self._calls = self._calls, queue.SimpleQueue()
+            if thread is not None:
+                self._let_go = [t for t in self._let_go if t.is_alive()] + [thread]
         if thread is not None:
             calls.put(None)
+
+    def wait_let_go(self, timeout: float) -> int:
+        """Wait up to `timeout` seconds in all for the threads `abandon` let go to end; returns
+        how many still run."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            let_go = list(self._let_go)
+        for thread in let_go:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._let_go = [t for t in self._let_go if t.is_alive()]
+            return len(self._let_go)
 
     def __enter__(self) -> "StepThread":
         return self

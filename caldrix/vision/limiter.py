@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 import outcome
@@ -47,6 +48,8 @@ DECODE_SLOTS = 2
 # the slots' threads' Linux nice value where SCHED_IDLE is refused: below the engine's steps (0)
 IMAGE_NICE = 10
 QUEUE_FULL = "the image decode queue is full"
+# how long a stopping server waits for starved calls the valve let go (valve.py): one tile's work
+LET_GO_WAIT_S = 10.0
 HOLDS_KEPT = 32  # recent slot-hold times kept for the 429's Retry-After estimate
 
 
@@ -125,11 +128,15 @@ class DecodeLimiter:
         async with self.slot() as slot:
             return [await slot.run(fn, item) for item in items]
 
-    def close(self) -> None:
-        """End the slots' threads once nothing runs on them (the server, as it stops)."""
+    def close(self, let_go_wait_s: float = LET_GO_WAIT_S) -> int:
+        """End the slots' threads once nothing runs on them (the server, as it stops), and wait
+        up to `let_go_wait_s` for threads the valve let go with a starved call (a thread still in
+        torch's kernels at exit aborts the process). Returns how many still run."""
         for pair in self._threads:
             for thread in pair:
                 thread.close()
+        deadline = time.monotonic() + let_go_wait_s
+        return sum(idle.wait_let_go(max(0.0, deadline - time.monotonic())) for idle, _ in self._threads)
 
 
 class Slot:
