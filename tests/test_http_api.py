@@ -521,6 +521,22 @@ def test_not_implemented_fields_accepted_at_neutral_and_null(http, model, path):
         assert r.json()["usage"]["completion_tokens"] == 1
 
 
+def test_peer_feature_fields_refused_by_name_and_accepted_off(http, model):
+    """Every feature field of OpenAI's, vLLM's and llama-server's requests that routes/fields.py
+    lists, through the live route: at a value that would change the reply, a 400 naming it; at
+    its off value (what this server does anyway), answered. One token each."""
+    from caldrix.routes.fields import PEER_FEATURES
+
+    path = "/v1/completions"
+    for f in PEER_FEATURES:
+        err = assert_error(http.post(path, json={**base_body(path, model), f.name: 12345}), 400, f.name)
+        assert err["message"].startswith(f"{f.name} is not supported by this server"), err
+        assert f.shown in err["message"], err
+        for off in (*f.neutral, None):
+            r = http.post(path, json={**base_body(path, model), f.name: off})
+            assert r.status_code == 200, (f.name, off, r.text)
+
+
 def test_unknown_fields_seed_and_user_accepted(http, model):
     body = {**base_body("/v1/completions", model), "seed": 7, "user": "u", "echo": False,
             "metadata": {"a": 1}}
