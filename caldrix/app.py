@@ -19,6 +19,7 @@ log = logging.getLogger("caldrix")
 
 MAX_BODY = 4 * 2**20  # 4 MiB: a larger body is a 413, refused before it is read whole
 VISION_MAX_BODY = 32 * 2**20  # a vision server's, on every route (http-api.md); about 24 MiB of images in base64
+BODY_TIMEOUT_S = 300  # a body still arriving after this long is a 408 (a client that stalled mid-upload)
 
 
 def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
@@ -41,7 +42,7 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
         rt.telemetry.metrics.read_images_from(lambda: (vision.limiter.decoding, vision.limiter.waiting))
     # Quart's 60 s defaults would cut a long stream or a slow upload without an error.
     app.config["RESPONSE_TIMEOUT"] = None
-    app.config["BODY_TIMEOUT"] = 300
+    app.config["BODY_TIMEOUT"] = BODY_TIMEOUT_S
     app.extensions["caldrix"] = (rt, queue)
     app.extensions[prompt_ids.LIMITER_KEY] = prompt_ids.new_limiter()
     app.extensions["caldrix.created"] = int(time.time())  # /v1/models' `created`: the model loaded
@@ -116,7 +117,9 @@ def create_app(rt: Runtime, queue: RequestQueue) -> QuartTrio:
         if err.description == type(err).description:  # werkzeug's stock text speaks of a browser
             messages |= {400: "the request could not be understood (a WebSocket upgrade, or malformed framing)",
                          408: "the request body did not arrive in time"}
-        resp = error_response(ApiError(status, messages.get(status, err.description or err.name), None))
+        # A 408's body is still unread on the wire, as a 413's: the connection ends with it.
+        headers = {"Connection": "close"} if status == 408 else None
+        resp = error_response(ApiError(status, messages.get(status, err.description or err.name), None, headers=headers))
         allow = dict(err.get_headers()).get("Allow")
         if status == 405 and allow:  # RFC 9110: a 405 names the methods the route takes
             resp.headers["Allow"] = allow

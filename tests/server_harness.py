@@ -74,15 +74,19 @@ class ServerProcess:
         *flags: str,
         timeout: float = 180.0,
         env: dict[str, str] | None = None,
+        before: str | None = None,
     ) -> ServerProcess:
-        """Start `caldrix serve [model] --port P *flags` and wait until it serves.
+        """Start `caldrix serve [model] --port P *flags` and wait until it serves. `before`:
+        Python run in the server's process before the command (to shorten a limit, say).
 
         Retries once on another port when the chosen one was taken between picking and binding.
         """
         last: ServerProcess | None = None
         for _ in range(2):
             port = free_port()
-            args = [sys.executable, "-m", "caldrix", "serve"]
+            args = [sys.executable, "-m", "caldrix", "serve"] if before is None else [
+                sys.executable, "-c", f"{before}\nimport runpy, sys\nsys.argv[0] = 'caldrix'\n"
+                "runpy.run_module('caldrix', run_name='__main__', alter_sys=True)", "serve"]
             if model is not None:
                 args.append(str(model))
             args += ["--port", str(port), *flags]

@@ -792,6 +792,32 @@ def test_a_client_that_leaves_mid_upload_leaves_a_log_line(server, http, model):
     assert http.get("/healthz", timeout=10).text == "ok"
 
 
+def test_a_body_that_stalls_is_a_408_that_closes_the_connection(smollm2_dir):
+    """A body still arriving after the body timeout (app.py's BODY_TIMEOUT_S, 300 s; 1 s here)
+    is a 408 in the error shape, with Connection: close since the rest of the body is still on
+    the wire; the server then serves others as usual."""
+    import socket
+
+    with ServerProcess.start(smollm2_dir, "--served-name", "m",
+                             before="import caldrix.app\ncaldrix.app.BODY_TIMEOUT_S = 1") as srv:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+            began = time.monotonic()
+            got = _read_until_closed(s)
+            waited = time.monotonic() - began
+        head, _, payload = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), got[:300]
+        assert b"connection: close" in head.lower(), head
+        assert json.loads(payload) == {"error": {"message": "the request body did not arrive in time",
+                                                 "type": "invalid_request_error", "param": None, "code": None}}
+        assert 0.9 <= waited < 20, waited
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            r = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
 def test_content_length_with_transfer_encoding_is_refused_and_closed(server, http, model):
     """RFC 9112 6.3: a server must close a connection after a request that carries both: a
     request sent after the answer on the same connection is never answered."""
