@@ -99,32 +99,29 @@ def test_a_refusal_carries_what_retry_after_is_estimated_from():
     how many wait and how many slots serve them: the refusal carries all three."""
     from caldrix.routes import backoff
 
-    async def main():
-        lim, work = DecodeLimiter(queue_depth=1, slots=1), Work()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lim.run, ["a"], work)
-            await wait_until(lambda: work.now == 1)
-            nursery.start_soon(lim.run, ["b"], work)
-            await wait_until(lambda: lim.waiting == 1)
-            with pytest.raises(DecodeQueueFull) as first:
-                await lim.run(["c"], work)
-            assert first.value.held == () and first.value.waiting == 1 and first.value.slots == 1
-            assert backoff.estimate(first.value.held, 1, 1) == 1.0  # nothing has held a slot yet
-            await trio.sleep(0.3)  # "a" holds its slot at least this long
-            work.gate.set()
+    async def refusal(lim: DecodeLimiter, work: Work, hold_s: float) -> DecodeQueueFull:
+        """One request decoding (held `hold_s` at least), one waiting: the next one's refusal."""
         work.gate.clear()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lim.run, ["d"], work)
+            nursery.start_soon(lim.run, ["decoding"], work)
             await wait_until(lambda: work.now == 1)
-            nursery.start_soon(lim.run, ["e"], work)
+            nursery.start_soon(lim.run, ["waiting"], work)
             await wait_until(lambda: lim.waiting == 1)
-            with pytest.raises(DecodeQueueFull) as second:
-                await lim.run(["f"], work)
+            with pytest.raises(DecodeQueueFull) as refused:
+                await lim.run(["refused"], work)
+            await trio.sleep(hold_s)
             work.gate.set()
-        held = second.value.held
-        assert len(held) == 2 and held[0] >= 0.3, held  # "a", then "b" (released at once)
+        return refused.value
+
+    async def main():
+        lim, work = DecodeLimiter(queue_depth=1, slots=1), Work()
+        first = await refusal(lim, work, 0.3)
+        assert first.held == () and first.waiting == 1 and first.slots == 1
+        assert backoff.estimate(first.held, 1, 1) == 1.0  # nothing has held a slot yet
+        held = (await refusal(lim, work, 0)).held
+        assert len(held) == 2 and held[0] >= 0.3, held  # the first round's two (the second's at once)
         want = (held[0] + held[1]) / 2 * 2  # the mean hold, times the one waiting plus one
-        assert backoff.estimate(held, second.value.waiting, 1) == pytest.approx(max(want, backoff.FLOOR_S))
+        assert backoff.estimate(held, 1, 1) == pytest.approx(max(want, backoff.FLOOR_S))
 
     trio.run(main)
 
