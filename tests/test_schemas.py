@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from caldrix.protocol import SamplingParams
 from caldrix.routes.errors import ApiError
@@ -112,6 +114,41 @@ def test_parse_body_refuses_what_is_not_a_json_object(raw, needle):
     e = refusal(parse_body, raw)
     assert e.status == 400 and e.param is None
     assert needle in e.message
+
+
+def nested(depth: int, kinds: str, leaf: bytes) -> bytes:
+    """A body whose `metadata` nests `depth` levels below the top object (so the deepest
+    container is at level depth + 1), each level an array ("[") or an object ("{") by `kinds`,
+    cycled, around `leaf`."""
+    opens = [b"[" if kinds[i % len(kinds)] == "[" else b'{"k":' for i in range(depth)]
+    closes = [b"]" if o == b"[" else b"}" for o in reversed(opens)]
+    return b'{"model":"m","metadata":' + b"".join(opens) + leaf + b"".join(closes) + b"}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(depth=st.integers(1, 1200), kinds=st.sampled_from(["[", "{", "[{", "{["]),
+       leaf=st.sampled_from([b"1", b'"x"', b'"\\ud83d\\ude00"', b"[]", b"{}"]))
+def test_nesting_past_the_bound_is_a_400_at_any_depth(depth, kinds, leaf):
+    """strictjson.MAX_NESTING levels of arrays and objects are read, one more is the nesting 400,
+    whatever the depth and whatever the leaf: never a RecursionError (a body 500 deep holding an
+    emoji escape was a 500 when the surrogate check walked it recursively)."""
+    from caldrix.routes.strictjson import MAX_NESTING, TOO_DEEP
+
+    levels = depth + 1 + (leaf in (b"[]", b"{}"))
+    raw = nested(depth, kinds, leaf)
+    if levels <= MAX_NESTING:
+        assert parse_body(raw)["model"] == "m"
+    else:
+        e = refusal(parse_body, raw)
+        assert (e.status, e.message, e.param) == (400, TOO_DEEP, None)
+
+
+def test_nesting_is_checked_before_a_deep_duplicate_is_looked_for():
+    from caldrix.routes.strictjson import MAX_NESTING, TOO_DEEP
+
+    dup = b'{"a":1,"a":2}'
+    assert refusal(parse_body, nested(MAX_NESTING - 2, "[", dup)).param.startswith("metadata[0]")
+    assert refusal(parse_body, nested(900, "{", dup)).message == TOO_DEEP
 
 
 def test_parse_body_keeps_surrogate_pairs_and_big_integers():

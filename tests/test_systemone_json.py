@@ -197,3 +197,23 @@ def test_ties_take_the_first_and_one_option_is_certain():
     assert choice_confidence([1.0]) == 1.0 and score_confidence([1.0]) == 1.0
     assert score_confidence([0.5, 0.0, 0.5]) == 0.0  # clipped at 0
     assert score_confidence([0.0, 1.0, 0.0]) == 1.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(depth=st.integers(100, 1500), leaf=st.sampled_from(['1.50', '"\\ud83d\\ude00"', '{"n": 2e5}']))
+def test_a_state_nested_past_the_bound_is_the_nesting_400(depth, leaf):
+    """/v1/systemone's parser keeps routes/strictjson.py's bound: the state's levels up to
+    MAX_NESTING are read (and written back by compact, a recursive walk), one more is a 400."""
+    from caldrix.routes.errors import ApiError
+    from caldrix.routes.strictjson import MAX_NESTING, TOO_DEEP
+    from caldrix.systemone.request import parse_body
+
+    raw = '{"model": "m", "state": ' + "[" * depth + leaf + "]" * depth + "}"
+    levels = 1 + depth + leaf.startswith("{")
+    if levels <= MAX_NESTING:
+        state = parse_body(raw.encode())["state"]
+        assert json.loads(jsonlex.compact(state)) == json.loads(raw)["state"]
+    else:
+        with pytest.raises(ApiError) as e:
+            parse_body(raw.encode())
+        assert (e.value.status, e.value.message, e.value.param) == (400, TOO_DEEP, None)

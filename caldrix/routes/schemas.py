@@ -127,8 +127,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = strictjson.loads(text, parse_int=strictjson.bounded_int)
     except strictjson.DuplicateKey as e:
         raise ApiError.invalid(f'duplicate key "{e.key}" in the request body', e.path)
-    except RecursionError:
-        raise ApiError.invalid("the request body is nested too deeply")
+    except RecursionError:  # past MAX_NESTING, or past what the parser can go
+        raise ApiError.invalid(strictjson.TOO_DEEP)
     except ValueError as e:  # JSONDecodeError, a constant, an integer past Python's digit limit
         raise ApiError.invalid(f"the request body is not valid JSON: {e}")
     if not isinstance(body, dict):

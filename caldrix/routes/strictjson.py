@@ -1,5 +1,6 @@
 """JSON request bodies read strictly: a duplicate key is an error naming its path, NaN and
-Infinity are not JSON, and a string may not hold an unpaired UTF-16 surrogate. Shared by the
+Infinity are not JSON, a string may not hold an unpaired UTF-16 surrogate, and nothing may nest
+deeper than MAX_NESTING. Shared by the
 completions validator (routes/schemas.py) and /v1/systemone's lexeme-keeping parser
 (systemone/jsonlex.py), which differ only in how they read numbers (`bounded_int` is the
 validator's reading of integers)."""
@@ -18,6 +19,22 @@ class DuplicateKey(ValueError):
         super().__init__(f'duplicate key "{key}"')
         self.path = path
         self.key = key
+
+
+# Arrays and objects nested deeper than this are refused. No request needs a tenth of it; the
+# bound keeps every walk over a body (the routes' and systemone's, most of them recursive) far
+# from Python's recursion limit, which the parser itself nearly reaches (a body 500 deep holding
+# an emoji escape was a 500 RecursionError in a recursive walk after the parse).
+MAX_NESTING = 128
+TOO_DEEP = f"the request body is nested too deeply: arrays and objects at most {MAX_NESTING} levels deep"
+
+
+class TooDeep(RecursionError):
+    """Arrays and objects nested deeper than MAX_NESTING. A RecursionError, as the parser's own
+    for nesting past the interpreter's limit is: the callers refuse both alike."""
+
+    def __init__(self) -> None:
+        super().__init__(f"nested deeper than {MAX_NESTING} levels")
 
 
 class _Dup(Exception):
@@ -58,15 +75,36 @@ def loads(text: str, **hooks: Any) -> Any:
     """Parse `text` with json.loads (`hooks`: parse_float, parse_int), objects as dicts in
     document order. Raises DuplicateKey (the first duplicate, depth first in document order),
     json.JSONDecodeError for malformed text, ValueError for NaN/Infinity literals, and
-    RecursionError for nesting deeper than the interpreter allows. Surrogates are checked
+    RecursionError for nesting deeper than MAX_NESTING (TooDeep) or than the interpreter lets
+    the parser go. Surrogates are checked
     apart (`lone_surrogate`), so a caller can order its refusals."""
     hooks = {**hooks, "parse_constant": _reject_constant}
     try:
-        return json.loads(text, object_pairs_hook=_strict_object, **hooks)
+        value = json.loads(text, object_pairs_hook=_strict_object, **hooks)
     except _Dup:
-        found = _first_duplicate(json.loads(text, object_pairs_hook=_Pairs, **hooks), "")
+        pairs = json.loads(text, object_pairs_hook=_Pairs, **hooks)
+        _check_depth(text, pairs)
+        found = _first_duplicate(pairs, "")
         assert found is not None, "the strict parse saw a duplicate the pairs parse does not"
         raise DuplicateKey(*found) from None
+    _check_depth(text, value)
+    return value
+
+
+def _check_depth(text: str, value: Any) -> None:
+    """Raise TooDeep when `value` nests deeper than MAX_NESTING. Text with fewer brackets than
+    that cannot, and is not walked (nearly every request: a long token-id prompt has one)."""
+    if text.count("[") + text.count("{") <= MAX_NESTING or not isinstance(value, (list, dict)):
+        return
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else (v for _, v in node) if isinstance(node, _Pairs) else node
+        for child in children:
+            if isinstance(child, (list, dict)):
+                if depth >= MAX_NESTING:
+                    raise TooDeep
+                stack.append((child, depth + 1))
 
 
 def _first_duplicate(node: Any, path: str) -> tuple[str, str] | None:
@@ -97,17 +135,23 @@ def lone_surrogate(text: str, value: Any) -> bool:
     return bool(_SURROGATE_ESCAPE.search(text)) and _has_lone_surrogate(value)
 
 
-def _has_lone_surrogate(node: Any) -> bool:
-    if isinstance(node, str):
-        try:
-            node.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(node, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in node.items())
-    if isinstance(node, list):
-        return any(_has_lone_surrogate(v) for v in node)
+def _has_lone_surrogate(value: Any) -> bool:
+    # A walk with a stack of its own, not recursion: the parser takes nesting deeper than
+    # Python's recursion limit allows a recursive walk (a body 500 arrays deep holding an emoji
+    # escape was a 500 RecursionError here).
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
     return False
 
 

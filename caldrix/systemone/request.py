@@ -86,8 +86,8 @@ def parse_body(raw: bytes) -> dict:
         body = jsonlex.loads(text)
     except jsonlex.DuplicateKey as e:
         raise ApiError.invalid(f'duplicate key "{e.key}" in the request body', e.path) from None
-    except RecursionError:
-        raise ApiError.invalid("the request body is nested too deeply") from None
+    except RecursionError:  # past MAX_NESTING, or past what the parser can go
+        raise ApiError.invalid(strictjson.TOO_DEEP) from None
     except ValueError as e:  # JSONDecodeError, NaN/Infinity, a lone surrogate
         raise ApiError.invalid(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
