@@ -61,7 +61,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
     connections.contain_failures()
     connections.http1_only()
-    connections.finish_before_closing()
+    connections.mend_h11_reader()
     connections.quiet_accept_loop()
 
     # The bounded request channel: it holds the requests waiting beyond the running ones
