@@ -861,7 +861,7 @@ def test_a_refusal_is_written_whole_when_more_bytes_follow_its_request(server, m
     """A 415 closes its connection (the body is left unread), and h11 then expects nothing more
     from the client. Bytes already sent behind the request (a pipelined request, or junk) met
     hypercorn's reader while the 415 was being written, and it closed the connection between
-    the head and the body: about half the answers were lost (connections.finish_before_closing)."""
+    the head and the body: about half the answers were lost (connections.MendedConnection)."""
     import socket
 
     body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
