@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ class Tokenizer:
 
     def __init__(self, hf: Any, eos_token_ids: Iterable[int] = ()) -> None:
         self._hf = hf
+        # The context is the server's to check (--context), after tokenizing: transformers'
+        # warning that a text is longer than the tokenizer's own limit ("... will result in
+        # indexing errors") would otherwise reach the log for a prompt that is then refused.
+        hf.model_max_length = sys.maxsize
         eos = set(eos_token_ids)
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)

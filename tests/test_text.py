@@ -456,3 +456,16 @@ def test_a_stop_string_is_never_sent_even_partially():
 def test_empty_stop_strings_are_refused():
     with pytest.raises(ValueError):
         StopMatcher(["ok", ""])
+
+
+def test_a_text_past_the_tokenizers_own_limit_is_encoded_without_a_warning(smol_dir, capfd):
+    """The context is the server's to check (--context); transformers' "Token indices sequence
+    length is longer than the specified maximum" reached the log for prompts then refused."""
+    from transformers import AutoTokenizer
+
+    limit = AutoTokenizer.from_pretrained(str(smol_dir)).model_max_length
+    assert limit < 10**6, "the tokenizer states a limit: the case this test is about"
+    tok = Tokenizer.load(smol_dir)
+    ids = tok.encode("hello " * (limit + 10))
+    assert len(ids) > limit
+    assert "Token indices sequence length" not in capfd.readouterr().err
