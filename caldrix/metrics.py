@@ -125,8 +125,8 @@ class Metrics:
         self.prefix_queries = count("prefix_cache_queries", "Prompt tokens looked up in the held KV rows (prompt tokens of admitted requests).")
         self.prefix_hits = count("prefix_cache_hits", "Prompt rows reused from a held KV slot instead of being recomputed.")
         # vLLM's spec_decode_num_draft_tokens / num_accepted_tokens, counted when a request ends
-        self.spec_drafts = count("spec_decode_draft_tokens", "Speculative guesses proposed (n-gram lookup), over ended requests.")
-        self.spec_accepted = count("spec_decode_accepted_tokens", "Speculative guesses the model confirmed, over ended requests.")
+        self.spec_drafts = count("spec_decode_num_draft_tokens", "Speculative guesses proposed (n-gram lookup or draft model), over ended requests.")
+        self.spec_accepted = count("spec_decode_num_accepted_tokens", "Speculative guesses the model confirmed, over ended requests.")
         self._success = Counter(PREFIX + "request_success", "Requests that reached the scheduler, by finish reason.",
                                 m + ["finished_reason"], registry=reg)
         self._http = Counter(PREFIX + "http_requests", "HTTP responses by route, method and status code.",

@@ -47,7 +47,8 @@ def _count(value, at: str, key: str, lo: int, hi: int) -> int:
             isinstance(value, float) and not value.is_integer()):
         raise TraceError(f"{at}: {key} must be a whole number, got {orjson.dumps(value).decode()[:40]}")
     if not lo <= value <= hi:
-        raise TraceError(f"{at}: {key} must be {lo} to {hi}, got {value:g}")
+        shown = int(value) if abs(value) < 1e18 else value  # whole: an integer, unrounded
+        raise TraceError(f"{at}: {key} must be {lo} to {hi}, got {shown}")
     return int(value)
 
 

@@ -185,6 +185,7 @@ HEADER = '{"trace": "caldrix", "version": 1, "block_tokens": 16}\n'
 @pytest.mark.parametrize("header, line, says", [
     (HEADER, '{"arrival": 0, "prompt_tokens": 1e12, "completion_tokens": 2}', "prompt_tokens must be 1 to 1048576"),
     (HEADER, '{"arrival": 0, "prompt_tokens": -3, "completion_tokens": 2}', "prompt_tokens must be 1 to"),
+    (HEADER, '{"arrival": 0, "prompt_tokens": 1048577, "completion_tokens": 2}', "must be 1 to 1048576, got 1048577"),
     (HEADER, '{"arrival": 0, "prompt_tokens": 3, "completion_tokens": 1e300}', "completion_tokens must be 0 to"),
     (HEADER, '{"arrival": 0, "prompt_tokens": 2.5, "completion_tokens": 2}', "prompt_tokens must be a whole number"),
     (HEADER, '{"arrival": true, "prompt_tokens": 3, "completion_tokens": 2}', "arrival must be a number"),

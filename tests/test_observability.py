@@ -334,6 +334,10 @@ def test_metrics_labels_stay_bounded_and_refusals_count_only_generating_routes(h
     assert http.get("/debug/requests", params={"last": "x"}).status_code == 400
     for odd in (" 1", "1_0", "\uff13", "+1"):  # int() reads these; the route does not
         assert http.get("/debug/requests", params={"last": odd}).status_code == 400, odd
+    everything = http.get("/debug/requests").json()["data"]
+    for many in ("999999999", "1" + "0" * 12, "9" * 5000):  # more than the ring holds: all of it
+        got = http.get("/debug/requests", params={"last": many})
+        assert got.status_code == 200 and len(got.json()["data"]) >= len(everything), (many[:20], got.text[:200])
     text = http.get("/metrics").text
     after = samples(text)
     assert "ZQXMETHOD" not in text

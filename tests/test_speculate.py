@@ -470,8 +470,8 @@ def test_http_speculative_usage_records_and_metrics(smollm2_dir):
         recs = records["data"]
         assert [r["speculative"] for r in recs[-4:]] == [spec, streamed, None, None]
         metrics = httpx.get(srv.url + "/metrics").text
-        drafts = [line for line in metrics.splitlines() if line.startswith("caldrix:spec_decode_draft_tokens_total")]
-        kept = [line for line in metrics.splitlines() if line.startswith("caldrix:spec_decode_accepted_tokens_total")]
+        drafts = [line for line in metrics.splitlines() if line.startswith("caldrix:spec_decode_num_draft_tokens_total")]
+        kept = [line for line in metrics.splitlines() if line.startswith("caldrix:spec_decode_num_accepted_tokens_total")]
         assert float(drafts[0].split()[-1]) == spec["proposed"] + streamed["proposed"]
         assert float(kept[0].split()[-1]) == spec["accepted"] + streamed["accepted"]
 

@@ -302,7 +302,7 @@ def test_speculation_memory_round_trip_through_a_restart(pair, tmp_path):
         recs = httpx.get(srv.url + "/debug/requests").json()["data"]
         assert [r["speculative"] for r in recs[-2:]] == [spec, streamed]
         metrics = httpx.get(srv.url + "/metrics").text.splitlines()
-        drafts = [x for x in metrics if x.startswith("caldrix:spec_decode_draft_tokens_total")]
+        drafts = [x for x in metrics if x.startswith("caldrix:spec_decode_num_draft_tokens_total")]
         assert float(drafts[0].split()[-1]) == spec["proposed"] + streamed["proposed"]
         assert "--speculation-memory" not in srv.stderr
     saved = json.loads(mem.read_text())

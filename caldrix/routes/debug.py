@@ -42,12 +42,19 @@ def _telemetry() -> Telemetry:
     return current_app.extensions["caldrix"][0].telemetry
 
 
+LAST_ALL = 10**9  # `?last=` past nine digits: more than any ring holds
+
+
 def _last() -> int | None:
     raw = request.args.get("last")
     if raw is None:
         return None
-    # ASCII digits only: int() would also take " 1", "1_0" and other scripts' digits
-    last = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else -1
+    # ASCII digits only: int() would also take " 1", "1_0" and other scripts' digits. Past
+    # nine digits it is more than any ring holds: all of them (and int() of a huge one is slow).
+    if not (raw.isascii() and raw.isdigit()):
+        last = -1
+    else:
+        last = int(raw) if len(raw) <= 9 else LAST_ALL
     if last < 1:
         raise ApiError.invalid(f"must be an integer >= 1, got {raw!r}", "last")
     return last
