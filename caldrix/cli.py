@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                    description="List the model registry: each alias, its repo id, architecture and size, whether "
                                "it is on this machine, and notes.")
 
+    sub.add_parser("bench", add_help=False,
+                   help="the serving benchmark against llama.cpp and transformers, from a source checkout "
+                        "(bench/serve.py; arguments pass through: caldrix bench --help)")
     replay = sub.add_parser("replay", help="replay a trace from the replay ring against a running server")
     replay.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines, as GET /debug/trace exports)")
     replay.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the server (default %(default)s)")
@@ -311,6 +314,11 @@ def stdin_prompt(text: str, chat: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every argument is the benchmark's own, --help included
+        from caldrix.bench_command import bench
+
+        return bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

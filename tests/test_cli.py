@@ -43,6 +43,28 @@ def test_bad_flag_exits_2_naming_it(args, flag):
     assert flag in out.stderr
 
 
+def test_bench_runs_the_checkouts_benchmark_with_its_own_arguments(tmp_path):
+    """cli.md's `caldrix bench`: bench/serve.py, every argument after `bench` its own."""
+    out = caldrix("bench", "--help", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: serve.py" in out.stdout and "--quick" in out.stdout
+    bad = caldrix("bench", "--no-such-flag", timeout=120)
+    assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
+    from caldrix.bench_command import bench
+
+    probe = tmp_path / "bench" / "serve.py"
+    probe.parent.mkdir()
+    probe.write_text("import sys; print(sys.argv[1:]); sys.exit(7)\n")
+    assert bench(["--quick", "x"], script=probe) == 7
+
+
+def test_bench_without_a_checkout_says_where_the_benchmark_is(tmp_path, capsys):
+    from caldrix.bench_command import bench
+
+    assert bench([], script=tmp_path / "bench" / "serve.py") == 2
+    assert "bench/serve.py in a source checkout" in capsys.readouterr().err
+
+
 def test_missing_model_is_a_message_not_a_traceback():
     out = caldrix("run", "org/not-in-the-cache", "hello")
     assert out.returncode == 1
