@@ -4,9 +4,10 @@ Either queue (the request queue, the image decode queue) frees one place each ti
 serves lets go. Over its recent requests, one held a place `service` seconds on average; with
 `parallel` served at once (--max-batch, or the 2 decode slots), a place frees about every
 service / parallel seconds, and a client retrying then finds room ahead of the `waiting`
-requests only once (waiting + 1) places have freed. That estimate, clamped to 0.25..60 s (the official openai client honours a Retry-After of up
-to 60 s and falls back to its own backoff beyond), is sent both as Retry-After (whole seconds,
-RFC 9110) and as retry-after-ms (which the openai clients read first, so they need not round up).
+requests only once (waiting + 1) places have freed. That estimate, clamped to 0.25..60 s (the
+official openai client honours a Retry-After of up to 60 s and falls back to its own backoff
+beyond), is sent both as Retry-After (whole seconds, RFC 9110) and as retry-after-ms (which the
+openai clients read first, so they need not round up).
 """
 
 from __future__ import annotations

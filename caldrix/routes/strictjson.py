@@ -1,9 +1,8 @@
 """JSON request bodies read strictly: a duplicate key is an error naming its path, NaN and
 Infinity are not JSON, a string may not hold an unpaired UTF-16 surrogate, and nothing may nest
-deeper than MAX_NESTING. Shared by the
-completions validator (routes/schemas.py) and /v1/systemone's lexeme-keeping parser
-(systemone/jsonlex.py), which differ only in how they read numbers (`bounded_int` is the
-validator's reading of integers)."""
+deeper than MAX_NESTING. Shared by the completions validator (routes/schemas.py) and
+/v1/systemone's lexeme-keeping parser (systemone/jsonlex.py), which differ only in how they read
+numbers (`bounded_int` is the validator's reading of integers)."""
 
 from __future__ import annotations
 
