@@ -271,6 +271,7 @@ def test_refusals(llama_server):
     # The read step: a prompt of the whole context (512) has no room.
     big = {"q": {"type": "choice", "instructions": "pick " * 600, "criteria": {"a": None, "b": None}}}
     msg, param = _refusal(srv, {**base, "questions": big})
+    assert post(srv, {**base, "questions": big}).json()["error"]["code"] == "context_length_exceeded"
     assert param == "questions.q" and msg.startswith("the prompt of question q is ")
     assert msg.endswith(" tokens and the context holds 512; that leaves no room for the read step")
     assert int(msg.split(" is ")[1].split()[0]) >= 512

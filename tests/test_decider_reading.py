@@ -208,7 +208,7 @@ def test_every_prompt_leaves_room_for_the_read_step(deciders):
     assert isinstance(plan_request(d, "s", q, longest + 1), DeciderPrompts)
     assert plan_request(d, "s", q, longest) == Refusal(
         f"the prompt of question b is {longest} tokens and the context holds {longest}; that leaves no room for the read step",
-        "questions.b",
+        "questions.b", "context_length_exceeded",
     )
     iso = deciders[True]
     s = {"s": {"type": "score", "instructions": "rate", "criteria": ["low", "a rather long description of the top level"]}}
@@ -216,7 +216,7 @@ def test_every_prompt_leaves_room_for_the_read_step(deciders):
     n = len(built.prompt(1))
     assert plan_request(iso, "s", s, n) == Refusal(
         f"the prompt of level 1 of question s is {n} tokens and the context holds {n}; that leaves no room for the read step",
-        "questions.s",
+        "questions.s", "context_length_exceeded",
     )
 
 

@@ -166,7 +166,7 @@ def chunk_text(event: dict) -> str:
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None, message: str | None = None,
-                 *, contains: str | None = None, type_: str | None = None) -> dict:
+                 *, contains: str | None = None, type_: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error shape: {"error": {"message", "type", "param", "code"}}, nothing else."""
     assert r.status_code == status, f"{r.status_code}: {r.text}"
     assert r.headers["content-type"].startswith("application/json")
@@ -176,7 +176,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None, message: str
     assert set(err) == {"message", "type", "param", "code"}, err
     assert isinstance(err["message"], str) and err["message"], err
     assert err["param"] == param, err
-    assert err["code"] is None, err
+    assert err["code"] == code, err
     expected_type = type_ or {400: "invalid_request_error", 413: "invalid_request_error",
                               404: "not_found_error", 405: "invalid_request_error",
                               429: "rate_limit_error"}.get(status)
@@ -636,14 +636,15 @@ def test_max_tokens_disagreeing(http, model):
 def test_prompt_too_long_for_the_context(http, server, model):
     ctx = server.context
     r = http.post("/v1/completions", json={"model": model, "prompt": [42] * ctx, "max_tokens": 1})
-    assert_error(r, 400, "prompt", contains=f"the context holds {ctx}")
+    past = "context_length_exceeded"  # OpenAI's code, which LangChain and litellm read as a context overflow
+    assert_error(r, 400, "prompt", contains=f"the context holds {ctx}", code=past)
     # A text prompt past the context, and chat messages past it.
     long_text = "hello " * (ctx + 100)
     r = http.post("/v1/completions", json={"model": model, "prompt": long_text, "max_tokens": 1})
-    assert_error(r, 400, "prompt", contains="leaves no room for a reply")
+    assert_error(r, 400, "prompt", contains="leaves no room for a reply", code=past)
     r = http.post("/v1/chat/completions", json={
         "model": model, "messages": [{"role": "user", "content": long_text}], "max_tokens": 1})
-    assert_error(r, 400, "messages", contains="leaves no room for a reply")
+    assert_error(r, 400, "messages", contains="leaves no room for a reply", code=past)
 
 
 def words_of(n_bytes: int) -> str:
@@ -660,7 +661,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(http, server
     for path, body in (("/v1/completions", {"prompt": text}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):
         r = http.post(path, json={"model": model, "max_tokens": 1, **body})
-        err = assert_error(r, 400, "prompt" if "prompt" in body else "messages")
+        err = assert_error(r, 400, "prompt" if "prompt" in body else "messages", code="context_length_exceeded")
         assert err["message"] == (f"the prompt is at least {server.context + 1} tokens and the context holds "
                                   f"{server.context}; that leaves no room for a reply")
 

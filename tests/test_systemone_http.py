@@ -284,10 +284,10 @@ def test_refusals(smollm2_server):
     _refused(srv, "{not json", None)
     # A prompt that does not fit the context (1024 here): tokenized, then found too long...
     err = _refused(srv, body(state="word " * 1100), "questions.q")
-    assert "the context holds 1024" in err["message"]
+    assert "the context holds 1024" in err["message"] and err["code"] == "context_length_exceeded"
     # ...or too long even at the longest token per token, refused before tokenizing.
     err = _refused(srv, body(state="x" * 1024 * 200), "questions.q")
-    assert "is at least" in err["message"]
+    assert "is at least" in err["message"] and err["code"] == "context_length_exceeded"
     # Every question is checked before any runs: a bad third question leaves nothing in the ring.
     before = len(httpx.get(srv.url + "/debug/requests").json()["data"])
     _refused(srv, body(questions={"a": {"type": "noul"}, "b": {"type": "noul"}, "c": {"type": "box"}}),

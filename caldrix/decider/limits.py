@@ -31,6 +31,7 @@ class Refusal:
 
     message: str
     param: str | None
+    code: str | None = None  # "context_length_exceeded" for a prompt past the context, as OpenAI's
 
 
 def _missing(value: Any) -> bool:
@@ -131,6 +132,7 @@ def check_prompts(prompts: Sequence[PromptLength], context: int) -> Refusal | No
                 f"the prompt of {what} is {p.tokens} tokens and the context holds {context}; "
                 "that leaves no room for the read step",
                 f"questions.{p.question}",
+                "context_length_exceeded",
             )
     total = sum(p.tokens for p in prompts)
     most = PROMPTS_PER_CONTEXT * context

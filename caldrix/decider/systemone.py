@@ -71,7 +71,7 @@ class DeciderReading:
         questions = {q.name: question_fields(q) for q in req.questions}
         got = plan_request(self.decider, req.state, questions, context)
         if isinstance(got, dlimits.Refusal):
-            raise ApiError.invalid(got.message, got.param)
+            raise ApiError(400, got.message, got.param, code=got.code)
         plans = []
         for q, qp in zip(req.questions, got.questions):
             probes = []

@@ -29,6 +29,9 @@ def clip(s: str, limit: int = 64) -> str:
     return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a prompt past the context
+
+
 class ApiError(Exception):
     """A refusal or failure the client is told about.
 
@@ -78,6 +81,12 @@ class ApiError(Exception):
     def invalid(cls, message: str, param: str | None = None) -> ApiError:
         """A 400 about the request: the common case."""
         return cls(400, message, param)
+
+    @classmethod
+    def past_context(cls, message: str, param: str | None) -> ApiError:
+        """A 400 for a prompt that leaves the context no row: OpenAI's code for it, which clients
+        (LangChain, litellm) read to tell a context overflow from other bad requests."""
+        return cls(400, message, param, code=CONTEXT_LENGTH_EXCEEDED)
 
     @classmethod
     def body_too_large(cls, limit_bytes: int, headers: dict[str, str] | None = None) -> ApiError:

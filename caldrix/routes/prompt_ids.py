@@ -44,7 +44,7 @@ def check_fits(tokenizer: Any, chars: Sequence[str], context: int, param: str) -
     tokenization: at least `context` tokens leave no row for a reply."""
     at_least = sum(tokenizer.at_least_tokens(t) for t in chars)
     if at_least >= context:
-        raise ApiError.invalid(
+        raise ApiError.past_context(
             f"the prompt is at least {at_least} tokens and the context holds {context}; "
             "that leaves no room for a reply",
             param,

@@ -216,7 +216,7 @@ def reply_budget(prompt_len: int, max_tokens: int | None, ctx: ModelLimits, para
     """
     room = ctx.context - prompt_len
     if room < 1:
-        raise ApiError.invalid(
+        raise ApiError.past_context(
             f"the prompt is {prompt_len} tokens and the context holds {ctx.context}; "
             "that leaves no room for a reply",
             param,
