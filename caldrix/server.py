@@ -33,6 +33,10 @@ log = logging.getLogger("caldrix")
 # After the scheduler's cutoff has ended every request, how long their last events get to reach
 # their clients before connections still open are closed under them.
 CLOSE_AFTER_CUT_S = 3.0
+# Idle keep-alive connections close after this. Longer than httpx's (so the openai client's) own
+# 5 s expiry: at uvicorn's 5 s (vLLM's) both ends dropped the connection at once, and a request
+# sent just under 5 s idle met a connection the server had just closed (1 in 12 at the edge).
+KEEP_ALIVE_S = 10.0
 
 
 def say(line: str) -> None:
@@ -71,9 +75,9 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
     hc = HyperConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.graceful_timeout = cfg.graceful_timeout
-    # An idle keep-alive connection is closed after 5 s (hypercorn's default, and uvicorn's, so
-    # vLLM's), and at once when a stop begins; both only work with connections.finish_shielded below.
-    hc.keep_alive_timeout = 5.0
+    # An idle keep-alive connection is closed after KEEP_ALIVE_S, and at once when a stop begins;
+    # both only work with connections.finish_shielded below.
+    hc.keep_alive_timeout = KEEP_ALIVE_S
     hc.accesslog = None
     hc.alpn_protocols = ["http/1.1"]  # TLS clients too (connections.http1_only)
     hc.errorlog = logging.getLogger("hypercorn.error")
