@@ -3,6 +3,7 @@ way a hostile or unlucky client got through, and serve() installs them all befor
 
 - finish_shielded: an idle keep-alive connection is closed on time, and at once on a stop.
 - contain_failures: a connection's failure stays in that connection, not the whole server.
+- close_at_eof: an idle connection closes when its client closes, not when its timer runs out.
 - close_open: a stop does not wait forever on a client that stopped reading.
 - http1_only: no HTTP/2, whose side let hostile clients through.
 - mend_h11_reader: a refusal that closes its connection is written whole, even when the
@@ -103,6 +104,31 @@ def contain_failures() -> None:
                 _OPEN.discard(self)
 
     hypercorn_run.TCPServer = ContainedTCPServer
+
+
+def close_at_eof() -> None:
+    """Close an idle connection as soon as its client has closed its side, not when the
+    keep-alive timer (server.KEEP_ALIVE_S) runs out.
+
+    hypercorn (0.18) ends a connection's read loop at the end of the stream, but the connection
+    task waits for its children, the keep-alive timer among them: a client that closed an idle
+    connection (or half-closed it after its answer) left the server's socket open until the
+    timer fired. Here the timer is stopped once the read loop ends; a response still being
+    written is not affected (its own task ends it). Installed once, after contain_failures."""
+    import hypercorn.trio.run as hypercorn_run
+
+    base = hypercorn_run.TCPServer
+    if getattr(base, "closes_at_eof", False):
+        return
+
+    class EofClosingTCPServer(base):
+        closes_at_eof = True
+
+        async def _read_data(self) -> None:
+            await super()._read_data()
+            await self.idle_task.stop()
+
+    hypercorn_run.TCPServer = EofClosingTCPServer
 
 
 # The connections contain_failures' class is serving now (each leaves as its task

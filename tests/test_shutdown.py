@@ -100,6 +100,14 @@ def test_idle_keepalive_connection_is_closed_after_10_s(smollm2_dir: Path):
         idle = time_to_eof(s, 30.0)
         s.close()
         assert 9.0 < idle < 14.0, f"closed after {idle:.1f} s idle"
+        # A client that closes its side of an idle connection has it closed at once, not when
+        # the timer runs out (connections.close_at_eof); shown here by a half-close.
+        s, head = raw_request(srv.port)
+        assert head.startswith(b"HTTP/1.1 200")
+        s.shutdown(socket.SHUT_WR)
+        closed = time_to_eof(s, 30.0)
+        s.close()
+        assert closed < 3.0, f"closed {closed:.1f} s after the client closed its side"
         assert srv.alive
     finally:
         assert srv.stop() == 0
