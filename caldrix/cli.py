@@ -1,5 +1,6 @@
-"""The caldrix command line: serve, run, fetch, models, replay. (The benchmark against peers is
-bench/serve.py in the repository, `make bench`: it needs the peers' own packages.)
+"""The caldrix command line: serve, run, fetch, models, replay, bench. (`caldrix bench` runs the
+benchmark against peers, bench/serve.py, from a source checkout: it needs the peers' own
+packages; bench_command.py. `make bench` is the engine's benchmark, bench/decode.py.)
 
 Exit status: 0 on success, 2 on bad arguments (argparse's own convention, and a bad flag value
 names the flag), 1 on a model or engine failure. `caldrix run` exits 130 on Ctrl-C and 141 when
