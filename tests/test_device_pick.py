@@ -125,8 +125,9 @@ def test_worked_example_of_run_md():
     seen = torch.tensor([2, 4])
     ids, probs = device_distribution(torch.tensor(logits), p, seen)
     assert ids == [0, 1, 2, 3, 6]
-    cpu_ids, _ = sampler.distribution(torch.tensor(logits), p, seen)
-    assert sorted(cpu_ids) == [0, 1, 2, 6]
+    cpu_ids, cpu_probs = sampler.distribution(torch.tensor(logits), p, seen)
+    assert cpu_ids == [0, 2, 6, 1]  # the CPU pick's walk, as run.md gives it
+    assert cpu_probs == pytest.approx([0.5104, 0.2293, 0.2293, 0.0310], abs=1e-4)
     assert probs == pytest.approx([0.4950, 0.0301, 0.2224, 0.0301, 0.2224], abs=1e-4)
     # u = U(42, 0) = 0.7416: running sums 0.4950, 0.5251, 0.7475, 0.7776, 1.0 -> id 2
     assert one(logits, p, {2, 4}, 0) == 2 == ref_pick(logits, p, {2, 4}, sampler.draw_uniform(42, 0))
