@@ -58,7 +58,7 @@ class DecodeQueueFull(Exception):
     `held`: seconds each of the recent requests held its slot, oldest first; `waiting` and
     `slots` as the limiter had them when it refused."""
 
-    def __init__(self, held: tuple[float, ...] = (), waiting: int = 0, slots: int = DECODE_SLOTS) -> None:
+    def __init__(self, held: tuple[float, ...], waiting: int, slots: int) -> None:
         super().__init__(QUEUE_FULL)
         self.held = held
         self.waiting = waiting
@@ -72,7 +72,6 @@ class DecodeLimiter:
         if slots < 1 or queue_depth < 0:
             raise ValueError("slots must be at least 1 and queue_depth at least 0")
         self._limiter = trio.CapacityLimiter(slots)
-        self._slots = slots
         self._held: collections.deque[float] = collections.deque(maxlen=HOLDS_KEPT)
         self.queue_depth = queue_depth
         self._waiting = 0
@@ -105,7 +104,7 @@ class DecodeLimiter:
             self._limiter.acquire_on_behalf_of_nowait(borrower)
         except trio.WouldBlock:
             if self._waiting >= self.queue_depth:
-                raise DecodeQueueFull(tuple(self._held), self._waiting, self._slots) from None
+                raise DecodeQueueFull(tuple(self._held), self._waiting, int(self._limiter.total_tokens)) from None
             self._waiting += 1
             try:
                 await self._limiter.acquire_on_behalf_of(borrower)
