@@ -265,7 +265,7 @@ class Engine:
         for r in prefill:
             embeds, embed_rows = self._embeds([r])
             rows = torch.arange(r.start, r.end, device=self.device)
-            at = Attend("prefill", (r.slot,), rows, rows, embeds=embeds, embed_rows=embed_rows)
+            at = Attend("prefill", (r.slot,), rows, rows, embeds=embeds, embed_rows=embed_rows, start=r.start)
             hidden = self.model(torch.tensor(r.token_ids, device=self.device), at, self.state)
             # A probe's few label logits, not the whole head (248k rows for Qwen3.5), where the
             # model can give them (read_logits; None where it keeps no plain head rows).

@@ -400,6 +400,45 @@ def test_streamed_transformers_model_gives_the_same_greedy_tokens():
     assert sum(e[0] == "copy" for e in ops.log) == 12 * 4 + 1  # every pass streamed every layer
 
 
+# --- the passes keep to the device -------------------------------------------------------
+
+
+def _tiny(tmp_path, arch: str) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True)) if arch == "llama"
+             else Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16)))
+    model.save_pretrained(tmp_path / arch)
+    return tmp_path / arch
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_lane_passes_read_nothing_back_and_mix_in_no_cpu_tensor(tmp_path, arch):
+    """The GPU lanes' forward passes, run on torch's meta device, which raises where a CUDA
+    device would stall or fail: reading a device value on the host (`int(t)`, `.item()`: on a
+    GPU a wait for the device, once per layer where the pass does it per layer) and an
+    operation mixing a CPU tensor with device ones. Prefill from 0 and from a later start
+    (the masked form), and a padded decode step with a verify run's rows, through the
+    engine's own Attend plans; only the pick, after the pass, reads the device."""
+    from caldrix.batch import Run
+    from caldrix.engine import Engine
+    from caldrix.models.base import Attend
+
+    engine = Engine.load(_tiny(tmp_path, arch), dtype=torch.bfloat16, max_batch=4, context=96, device="meta")
+    model, state = engine.model, engine.state
+    for slot, start, n in ((0, 0, 40), (1, 0, 5), (0, 40, 7)):
+        rows = torch.arange(start, start + n, device="meta")
+        hidden = model(torch.zeros(n, dtype=torch.long, device="meta"),
+                       Attend("prefill", (slot,), rows, rows, start=start), state)
+        assert hidden.shape == (n, 64) and hidden.device.type == "meta"
+    ids, at = engine._decode_inputs([Run(0, 47, (1,), (0,)), Run(1, 5, (2, 3, 4), (0, 1, 2), verify=True)])
+    logits = model.logits(model(ids, at, state))
+    assert logits.shape == (len(at.slots), 300) and logits.device.type == "meta"
+
+
 # --- bench/gpu_check.py ------------------------------------------------------------------
 
 

@@ -57,6 +57,11 @@ class Attend:
     native: bool = False
     embeds: torch.Tensor | None = None  # [N, D]
     embed_rows: torch.Tensor | None = None  # [N] int64, rows of this pass
+    # prefill only: write_rows[0] as a Python int. Every layer needs it to slice the cache, and
+    # reading it from a GPU tensor would wait for the device once per layer (the engine passes
+    # it; other callers get it read once here).
+    start: int = attrs.field(default=attrs.Factory(
+        lambda self: int(self.write_rows[0]) if self.kind == "prefill" else 0, takes_self=True))
 
 
 def input_rows(table, ids: torch.Tensor, at: Attend) -> torch.Tensor:
@@ -202,7 +207,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Attend,
                for i, (s, n) in enumerate(zip(at.slots, at.lengths))]
         return torch.cat(out).reshape(T, h * e)
     (slot,) = at.slots
-    start = int(at.write_rows[0])
+    start = at.start
     K[slot, :, start:start + T] = k.transpose(0, 1)  # [G, T, E]
     V[slot, :, start:start + T] = v.transpose(0, 1)
     n = start + T
