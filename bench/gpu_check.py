@@ -26,6 +26,10 @@ as passed / failed / error (an exception, e.g. the engine's GPU wiring that is s
      peak device memory of each.
   6. throughput: decode tokens/s at 1 and 8 streams, the caldrix engine (bf16) beside
      transformers' generate() (bf16, greedy) on the same GPU.
+  7. decode_step_profile: whether CUDA graphs would pay (issue 31 asks to measure first): per
+     decode step at 1 and 8 streams, the wall time beside the time the GPU spent in kernels
+     (torch.profiler), and the kernel launches. A GPU busy for a small share of the step is
+     waiting on Python and launches, which a captured graph would remove.
 
 Writes gpu_check.json and gpu_check.md to --out. Exit status: 0 all passed, 1 some check
 failed or errored, 3 no GPU (the summary says so; nothing else ran).
@@ -282,6 +286,45 @@ def check_throughput(path: Path):
     return "measured", facts
 
 
+def decode_profile(engine, streams: int, steps: int, device: str = "cuda") -> dict:
+    """Per decode step of `streams` rows after a prompt each: wall ms, the ms the device spent
+    in kernels (on the CPU, in operators: a dry run of this code) and the kernels launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from caldrix.batch import Batch, Run
+
+    ps = prompts(streams)
+    engine.step(Batch(tuple(Run(s, 0, q, (len(q) - 1,)) for s, q in enumerate(ps))))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def go(k0: int) -> None:
+        for k in range(k0, k0 + steps):
+            engine.step(Batch(tuple(Run(s, PROMPT_LEN + k, (7,), (0,)) for s in range(streams))))
+        sync()
+
+    go(0)  # warm: the allocator, cuBLAS handles, the first launches
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        t0 = time.perf_counter()
+        go(steps)
+        wall = time.perf_counter() - t0
+    if device == "cuda":
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_us = sum(e.device_time_total for e in kernels)  # kernels and copies; overlaps count twice
+    else:
+        kernels = [e for e in prof.events() if e.name.startswith("aten::") and not e.cpu_parent]
+        busy_us = sum(e.cpu_time_total for e in kernels)
+    return {"wall_ms_per_step": round(wall / steps * 1e3, 3), "busy_ms_per_step": round(busy_us / steps / 1e3, 3),
+            "busy_share": round(busy_us / 1e6 / wall, 3), "launches_per_step": round(len(kernels) / steps, 1)}
+
+
+def check_decode_profile(path: Path):
+    from caldrix.engine import Engine
+
+    engine = Engine.load(path, dtype=torch.bfloat16, max_batch=8, context=512, device="cuda")
+    return "measured", {f"streams_{b}": decode_profile(engine, b, 32) for b in (1, 8)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json and .md (default $OUT)")
@@ -308,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         run_check(rep, "engine_weight_budget", lambda: check_engine_streaming(path))
         run_check(rep, "engine_batch_invariance", lambda: check_batch_invariance(path))
         run_check(rep, "throughput", lambda: check_throughput(path))
+        run_check(rep, "decode_step_profile", lambda: check_decode_profile(path))
     bad = [c["name"] for c in rep.data["checks"] if c["status"] in ("failed", "error")]
     print(f"gpu_check: done; {'all passed' if not bad else 'not passed: ' + ', '.join(bad)}", flush=True)
     return 1 if bad else 0
