@@ -363,10 +363,61 @@ def test_the_build_runs_as_many_compilers_as_memory_allows(tmp_path, monkeypatch
     cxx.chmod(0o755)
     monkeypatch.setattr(native, "_free_bytes", lambda: None if free_mib is None else free_mib << 20)
     monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    objs = native._compile(str(cxx), [], [], tmp_path)
+    objs = native._compile([str(cxx)], [], [], tmp_path)
     assert [o.name for o in objs] == [f"{s.stem}.o" for s in native.SOURCES] and all(o.exists() for o in objs)
     running = peak = 0
     for line in log.read_text().split():
         running += 1 if line == "start" else -1
         peak = max(peak, running)
     assert peak == most
+
+
+def _stand_in(tmp_path, body: str):
+    """A compiler that notes each call's arguments in `calls` and runs `body` (sh); its objects
+    and links are empty files, so _build runs to its end in milliseconds."""
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "stand-in c++"  # a space in the path: CXX is split as a shell splits it
+    cxx.write_text(f"#!/bin/sh\necho \"$*\" >> '{calls}'\n{body}\n"
+                   "while [ \"$1\" != -o ]; do shift; done; touch \"$2\"\n")
+    cxx.chmod(0o755)
+    return cxx, calls
+
+
+def _build_with(monkeypatch, cxx, out):
+    monkeypatch.setenv("CXX", f"'{cxx}' --wrapped")
+    native._build(native._compiler(), out)
+
+
+def test_a_compiler_without_openmp_builds_once_more_without_it(tmp_path, monkeypatch):
+    # clang without libomp: the second round drops -fopenmp and is kept, readable by every user
+    # of a shared cache; CXX with an argument is split, the argument passed on each call.
+    cxx, calls = _stand_in(tmp_path, "case \"$*\" in *-fopenmp*) echo \"clang: error: unsupported option '-fopenmp'\" >&2; exit 1;; esac")
+    out = tmp_path / "kernels" / "k" / "attend.so"
+    out.parent.mkdir(parents=True)
+    (out.parent / "tmpstale.so").write_text("")  # a build killed earlier left these
+    (out.parent / "tmpstale").mkdir()
+    _build_with(monkeypatch, cxx, out)
+    lines = calls.read_text().splitlines()
+    assert all(ln.startswith("--wrapped ") for ln in lines)
+    with_omp = ["-fopenmp" in ln for ln in lines]
+    # the first round (its other compilers may have started before the first failed), then
+    # every source and the link without it
+    assert with_omp[0] and with_omp == sorted(with_omp, reverse=True)
+    assert with_omp.count(False) == len(native.SOURCES) + 1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.exists() and (out.stat().st_mode & 0o777) == 0o755 & ~umask
+    assert sorted(p.name for p in out.parent.iterdir()) == ["attend.so", "build.lock"]
+
+
+@pytest.mark.parametrize("body, says", [
+    ("kill -INT $$", "killed by signal 2"),  # Ctrl-C reaches the compilers of a terminal's process group
+    ("echo 'attend.cpp:9: error: expected ;' >&2; exit 1", "exited 1"),
+])
+def test_a_build_that_fails_otherwise_is_not_retried_and_leaves_nothing(tmp_path, monkeypatch, body, says):
+    cxx, calls = _stand_in(tmp_path, body)
+    out = tmp_path / "kernels" / "k" / "attend.so"
+    with pytest.raises(native.CompileError, match=says):
+        _build_with(monkeypatch, cxx, out)
+    assert not any("-fopenmp" not in ln for ln in calls.read_text().splitlines())  # no second round
+    assert sorted(p.name for p in out.parent.iterdir()) == ["build.lock"]

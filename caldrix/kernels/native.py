@@ -22,6 +22,8 @@ import hashlib
 import logging
 import os
 import platform
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -65,14 +67,19 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+def _compiler() -> list[str] | None:
+    """The compiler's command: $CXX split as a shell would (`ccache g++`, `g++ -O2`: make and
+    CMake take those too), else the first of c++, g++ and clang++ on PATH."""
+    if os.environ.get("CXX", "").strip():
+        return shlex.split(os.environ["CXX"])
+    found = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    return [found] if found else None
 
 
-def _key(cxx: str) -> str:
+def _key(cxx: list[str]) -> str:
     h = hashlib.sha256()
     for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), torch.__version__.encode(), str(torch.version.git_version).encode(),
-                 cxx.encode(), " ".join(FLAGS).encode(), _cpu_fingerprint().encode()):
+                 shlex.join(cxx).encode(), " ".join(FLAGS).encode(), _cpu_fingerprint().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -102,10 +109,32 @@ def _free_bytes() -> int | None:
     return min(known) if known else None
 
 
-def _compile(cxx: str, flags: list[str], includes: list[str], where: Path) -> list[Path]:
+class CompileError(RuntimeError):
+    """A compiler call failed: its exit status (negative: killed by that signal) and message."""
+
+    def __init__(self, cxx: list[str], returncode: int, err: str, what: str = "") -> None:
+        how = f"killed by signal {-returncode}" if returncode < 0 else f"exited {returncode}"
+        super().__init__(f"{shlex.join(cxx)} {how}{what}: {err.strip()[-2000:]}")
+        self.returncode, self.err = returncode, err
+
+
+# What a compiler says when it has no OpenMP: clang without libomp ("unsupported option
+# '-fopenmp'", "'omp.h' file not found"), a missing libgomp at link ("cannot find -lgomp").
+_NO_OPENMP = re.compile(r"fopenmp|omp\.h|gomp|libomp", re.IGNORECASE)
+
+
+def _lacks_openmp(exc: CompileError) -> bool:
+    """Whether a failed build is worth retrying without -fopenmp: the compiler ran to its end
+    and named OpenMP. A compiler killed by a signal (Ctrl-C reaches it too, being in the
+    terminal's process group; the kernel's OOM killer) says nothing about OpenMP, and a build
+    without it cached for good would leave every later start on one thread."""
+    return exc.returncode > 0 and bool(_NO_OPENMP.search(exc.err))
+
+
+def _compile(cxx: list[str], flags: list[str], includes: list[str], where: Path) -> list[Path]:
     """Each source to an object file in `where`, as many at once as there are cores and memory
     for, up to MAX_JOBS (the sources are independent: one g++ call for all of them ran them one after
-    another, about a minute on 2 cores). Blocks until all are done; RuntimeError with the
+    another, about a minute on 2 cores). Blocks until all are done; CompileError with the
     compiler's message for the first that fails, the others then stopped."""
     pending, running, objects = list(SOURCES), [], []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -116,12 +145,12 @@ def _compile(cxx: str, flags: list[str], includes: list[str], where: Path) -> li
             while pending and len(running) < jobs:
                 src = pending.pop(0)
                 obj = where / f"{src.stem}.o"
-                running.append((obj, subprocess.Popen([cxx, *flags, "-c", str(src), "-o", str(obj), *includes],
+                running.append((obj, subprocess.Popen([*cxx, *flags, "-c", str(src), "-o", str(obj), *includes],
                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
             obj, proc = running.pop(0)
             _, err = proc.communicate()
             if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} exited {proc.returncode}: {err.strip()[-2000:]}")
+                raise CompileError(cxx, proc.returncode, err)
             objects.append(obj)
     finally:
         for _, proc in running:
@@ -130,9 +159,10 @@ def _compile(cxx: str, flags: list[str], includes: list[str], where: Path) -> li
     return objects
 
 
-def _build(cxx: str, out: Path) -> None:
+def _build(cxx: list[str], out: Path) -> None:
     """Compile the sources into `out`, atomically: a concurrent process waits on the lock file
-    and then finds the finished object."""
+    and then finds the finished object. A failed build leaves nothing behind, and the files of
+    one that was killed are cleared by the next (under the lock, no build is running here)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +170,8 @@ def _build(cxx: str, out: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.exists():
             return
+        for stale in out.parent.glob("tmp*"):
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         print("caldrix: compiling the kernels (once per machine and torch version, about 40 s on 2 cores)",
               file=sys.stderr, flush=True)
         libs = library_paths()
@@ -152,18 +184,24 @@ def _build(cxx: str, out: Path) -> None:
                 flags = FLAGS
                 try:
                     objects = _compile(cxx, flags, includes, Path(objs))
-                except RuntimeError as exc:
+                except CompileError as exc:
                     # A compiler without OpenMP (Apple clang without libomp): the same kernels,
                     # whose at::parallel_for then runs on one thread.
+                    if not _lacks_openmp(exc):
+                        raise
                     flags = [f for f in FLAGS if f != "-fopenmp"]
                     try:
                         objects = _compile(cxx, flags, includes, Path(objs))
-                    except RuntimeError:
+                    except CompileError:
                         raise exc from None
-                    log.warning("kernels built without OpenMP (%s failed with -fopenmp): one thread each", cxx)
-                r = subprocess.run([cxx, *flags, *map(str, objects), "-o", tmp, *link], capture_output=True, text=True)
+                    log.warning("kernels built without OpenMP (%s failed with -fopenmp): one thread each", shlex.join(cxx))
+                r = subprocess.run([*cxx, *flags, *map(str, objects), "-o", tmp, *link], capture_output=True, text=True)
                 if r.returncode != 0:
-                    raise RuntimeError(f"{cxx} exited {r.returncode} linking: {r.stderr.strip()[-2000:]}")
+                    raise CompileError(cxx, r.returncode, r.stderr, " linking")
+            # mkstemp made it private (0600); a cache one user fills may serve others (models.md).
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o755 & ~umask)
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):
@@ -274,7 +312,8 @@ def load() -> bool:
                 log.info("decode attention: torch (CALDRIX_NATIVE=0)")
             elif cxx is None:
                 _why_torch = "no C++ compiler found (install g++ or set CXX)"
-                log.warning("decode attention: torch; %s for the faster kernel", _why_torch)
+                # INFO: the start-up's note (runtime.kernel_notes) tells the user already.
+                log.info("decode attention: torch; %s for the faster kernel", _why_torch)
             else:
                 from caldrix.weights.gguf import cache_root
 
@@ -294,7 +333,7 @@ def load() -> bool:
                         _define_q8_rows_stub()
                 except Exception as exc:  # noqa: BLE001 -- the torch definition below always works
                     _why_torch = f"the kernels did not build or load: {_first_line(exc)}"
-                    log.warning("decode attention: torch; the kernel did not build or load (%s)", exc)
+                    log.info("decode attention: torch; the kernel did not build or load (%s)", exc)
             if _state == "torch":
                 _define_torch_fallback()
         return _state == "native"
