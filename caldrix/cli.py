@@ -283,8 +283,9 @@ def stop_refusal(stops: list[str]) -> str | None:
 
 
 def _quietly(generate) -> int:
-    """`caldrix run`'s generation, ended quietly by Ctrl-C (130) or by a reader that went away
-    (141, as a shell tool killed by SIGPIPE): trio hands either back inside an exception group."""
+    """`caldrix run`'s generation, or `caldrix serve` (a Ctrl-C while its model loads), ended
+    quietly by Ctrl-C (130) or by a reader that went away (141, as a shell tool killed by
+    SIGPIPE): trio hands either back inside an exception group."""
     try:
         try:
             return generate()
@@ -335,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
 
             from caldrix.server import serve
 
-            trio.run(serve, config_from(args, args.model))
-            return 0
+            # Ctrl-C while the model loads (server._load) ends it as it ends `caldrix run`: 130, quietly.
+            return _quietly(lambda: trio.run(serve, config_from(args, args.model)) or 0)
         if args.command == "run":
             if len(args.args) > 2:
                 parser.error("run takes [MODEL] PROMPT")
@@ -366,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return replay_main(args.trace, args.url, concurrency=args.concurrency, speed=args.speed,
                                limit=args.limit, as_json=args.json)
+    except KeyboardInterrupt:  # Ctrl-C before trio runs: importing torch takes seconds
+        print(file=sys.stderr)
+        return 130
     except ModelNotFound as exc:
         print(f"caldrix: {exc}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -45,14 +46,11 @@ def say(line: str) -> None:
 
 async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load and serve until a signal (or cancellation). Model loading blocks a thread of its own."""
-    from caldrix.runtime import load_runtime
-    from caldrix.sched.threads import StepThread
-
     check_bindable(cfg.host, cfg.port)  # before a load of half a minute, not after it
-    # Loading runs torch's parallel kernels. On a thread that ends with it, the OpenMP team it
-    # grows ends too, and the steps' own team is then the only one (sched/threads.py).
-    with StepThread("caldrix load") as loader:
-        rt = await loader.run(load_runtime, cfg)
+    rt = await _load(cfg)
+    if rt is None:  # SIGTERM during the load
+        say("caldrix: stopped")
+        return
     rt.announce(say)
     warn_if_exposed(cfg.host)
     from caldrix import faults
@@ -115,6 +113,45 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
         say(f"caldrix: listening on {base_url(cfg.host, cfg.port, binds)}/v1")
         task_status.started(binds)
     say("caldrix: stopped")
+
+
+async def _load(cfg: ServeConfig):
+    """The runtime (None: stopped meanwhile), loaded on a thread of its own: torch's parallel kernels run there, and on a
+    thread that ends with the load the OpenMP team it grows ends too, so the steps' own team is
+    then the only one (sched/threads.py).
+
+    A load cannot be cut short inside torch. A SIGINT or SIGTERM meanwhile is answered at once,
+    and the server then stops as soon as the load returns, before it announces anything: a
+    SIGINT raises KeyboardInterrupt (cli.py exits 130, quietly), a SIGTERM returns from serve()
+    (exit 0, as a graceful stop). A second signal exits at once, 130 or 143; a conversion or a
+    kernel build it cuts leaves only temporary files, which the next start clears."""
+    from caldrix.runtime import load_runtime
+    from caldrix.sched.threads import StepThread
+
+    got: list[int] = []
+    with StepThread("caldrix load") as loader, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async def watch() -> None:
+            async for sig in signals:
+                if got:
+                    say("caldrix: stopped during the load")
+                    os._exit(128 + sig)
+                got.append(sig)
+                say(f"caldrix: {signal.Signals(sig).name} received; stopping once the model has loaded "
+                    "(a load cannot be cut short; again to stop at once)")
+
+        failed: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            try:
+                rt = await loader.run(load_runtime, cfg)
+            except Exception as exc:  # raised below as itself: out of the nursery it would be a group
+                failed = exc
+            nursery.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    if got and got[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    return None if got else rt
 
 
 def check_bindable(host: str, port: int) -> None:

@@ -17,12 +17,14 @@ the second never saw its connection closed.
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 import openai
 
 from server_harness import ServerProcess
@@ -215,3 +217,44 @@ def test_a_client_that_stopped_reading_does_not_hold_the_stop(tmp_path_factory, 
     assert took < 3 + 2 * 5.0, (took, srv.stderr)
     assert "caldrix: closed 1 connection still open 3 s after the running requests were ended" in srv.stderr, srv.stderr
     assert "caldrix: stopped" in srv.stderr
+
+
+# A load that says when it starts and takes 4 s longer, so a signal lands inside it.
+SLOW_LOAD = (
+    "import sys, time, caldrix.runtime as r\n"
+    "real = r.load_runtime\n"
+    "def slow(cfg):\n"
+    "    print('LOADING', file=sys.stderr, flush=True); time.sleep(4); return real(cfg)\n"
+    "r.load_runtime = slow\n"
+    "import runpy\nsys.argv[0] = 'caldrix'\n"
+    "runpy.run_module('caldrix', run_name='__main__', alter_sys=True)\n"
+)
+
+
+@pytest.mark.parametrize("signals, status", [
+    ([signal.SIGINT], 130),  # as `caldrix run` ends on Ctrl-C
+    ([signal.SIGTERM], 0),  # a graceful stop, with nothing to finish
+    ([signal.SIGINT, signal.SIGINT], 130),  # a second Ctrl-C does not wait for the load
+])
+def test_a_signal_during_the_load_stops_the_server_quietly(smollm2_dir: Path, signals, status):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, "serve", str(smollm2_dir), "--port", "0",
+                             "--dtype", "float32"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert proc.stderr.readline().strip() == "LOADING"
+        for sig in signals:
+            proc.send_signal(sig)
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        err = proc.stderr.read()
+        assert proc.wait(60) == status, err
+        if len(signals) > 1:
+            assert time.monotonic() - t0 < 3.0 and "stopped during the load" in err
+    finally:
+        proc.kill()
+        proc.wait()
+    assert f"{signals[0].name} received; stopping once the model has loaded" in err
+    assert "Traceback" not in err and "listening" not in err and "caldrix: lane" not in err, err
