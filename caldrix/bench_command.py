@@ -18,9 +18,20 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 SCRIPT = CHECKOUT / "bench" / "serve.py"
 
 
+def _in_checkout(script: Path) -> bool:
+    """Whether `script` is caldrix's own: a checkout's root holds caldrix's pyproject.toml. Once
+    installed, the folder above the package is site-packages, where another distribution's
+    bench/serve.py could sit."""
+    try:
+        project = (script.parent.parent / "pyproject.toml").read_text()
+    except OSError:
+        return False
+    return script.is_file() and 'name = "caldrix"' in project
+
+
 def bench(args: list[str], script: Path = SCRIPT) -> int:
     """Run `script` with `args`, in the checkout's root; its exit status."""
-    if not script.is_file():
+    if not _in_checkout(script):
         print(f"caldrix bench: the benchmark is bench/serve.py in a source checkout of caldrix, and this "
               f"installation has none (looked for {script}); clone the repository and run it there",
               file=sys.stderr)

@@ -55,6 +55,9 @@ def test_bench_runs_the_checkouts_benchmark_with_its_own_arguments(tmp_path):
     probe = tmp_path / "bench" / "serve.py"
     probe.parent.mkdir()
     probe.write_text("import sys; print(sys.argv[1:]); sys.exit(7)\n")
+    # another distribution's bench/serve.py beside an installed caldrix is not run
+    assert bench(["--quick", "x"], script=probe) == 2
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "caldrix"\n')
     assert bench(["--quick", "x"], script=probe) == 7
 
 
