@@ -212,12 +212,17 @@ def _warn_system_fallback_once() -> None:
 
 
 def _config_eos_ids(directory: Path) -> set[int]:
-    """The eos ids of generation_config.json, or of config.json when it is absent."""
+    """The eos ids of generation_config.json, or of config.json when it is absent: its top
+    level, else a composite's text_config (idefics3, qwen3_5), as transformers' generate()
+    builds its generation config from a model config."""
     for name in ("generation_config.json", "config.json"):
         file = directory / name
         if file.is_file():
             try:
-                eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+                raw = json.loads(file.read_text(encoding="utf-8"))
+                eos = raw.get("eos_token_id")
+                if eos is None and name == "config.json" and isinstance(raw.get("text_config"), dict):
+                    eos = raw["text_config"].get("eos_token_id")
             except (OSError, ValueError, AttributeError):
                 return set()
             if isinstance(eos, int):

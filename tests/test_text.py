@@ -120,6 +120,19 @@ def test_eos_ids_include_the_generation_config(tok, tmp_path):
     assert Tokenizer.load(d).eos_token_ids == frozenset({2, 7})
 
 
+@pytest.mark.parametrize("composite", ["Idefics3Config", "Qwen3_5Config"])
+def test_a_composite_config_without_generation_config_ends_on_its_text_configs_eos(tok, tmp_path, composite):
+    # transformers' generate() builds its generation config from the model config, reading a
+    # composite's text_config where the top level has no eos (SmolVLM, Qwen3.5)
+    import transformers
+
+    cfg = getattr(transformers, composite)(text_config={"eos_token_id": 7})
+    assert transformers.GenerationConfig.from_model_config(cfg).eos_token_id == 7
+    d = _variant(tok, tmp_path / composite, None)
+    (d / "config.json").write_text(cfg.to_json_string())
+    assert Tokenizer.load(d).eos_token_ids == frozenset({2, 7})
+
+
 def test_no_chat_template(tok, tmp_path):
     bare = Tokenizer.load(_variant(tok, tmp_path / "bare", None))
     assert not bare.has_chat_template
