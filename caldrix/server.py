@@ -116,9 +116,9 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
 
 async def _load(cfg: ServeConfig):
-    """The runtime (None: stopped meanwhile), loaded on a thread of its own: torch's parallel kernels run there, and on a
-    thread that ends with the load the OpenMP team it grows ends too, so the steps' own team is
-    then the only one (sched/threads.py).
+    """The runtime (None: stopped meanwhile), loaded on a thread of its own: torch's parallel
+    kernels run there, and on a thread that ends with the load the OpenMP team it grows ends
+    too, so the steps' own team is then the only one (sched/threads.py).
 
     A load cannot be cut short inside torch. A SIGINT or SIGTERM meanwhile is answered at once,
     and the server then stops as soon as the load returns, before it announces anything: a

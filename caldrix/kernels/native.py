@@ -171,7 +171,10 @@ def _build(cxx: list[str], out: Path) -> None:
         if out.exists():
             return
         for stale in out.parent.glob("tmp*"):
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
         print("caldrix: compiling the kernels (once per machine and torch version, about 40 s on 2 cores)",
               file=sys.stderr, flush=True)
         libs = library_paths()
