@@ -1,7 +1,8 @@
 """The GPU lanes' CPU-side rules: lane defaults and refusals through the CLI (a GPU simulated by
 injecting what torch would see), the sampler named in /debug/requests, the --weight-budget
-planner and the layer streamer's scheduling with fake CUDA calls, and bench/gpu_check.py's exit
-on a machine without a GPU. Nothing here needs a GPU."""
+planner and the layer streamer's scheduling with fake CUDA calls, the llama family's passes on
+torch's meta device (no host reads, no CPU tensors mixed in), and bench/gpu_check.py's exit on a
+machine without a GPU. Nothing here needs a GPU."""
 
 from __future__ import annotations
 
