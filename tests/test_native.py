@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from caldrix.kernels import native
+from caldrix.kernels import build, native
 
 H, G = 9, 3  # SmolLM2's query and kv heads
 BF16, F32 = torch.bfloat16, torch.float32
@@ -33,7 +33,7 @@ def on_threads(fn):
 
 @pytest.fixture(scope="module")
 def op():
-    if native._compiler() is None:
+    if build.compiler() is None:
         pytest.skip("no C++ compiler on this machine")
     assert native.load(), "a C++ compiler is here, so the kernel must build and load"
     return torch.ops.caldrix.decode_attend
@@ -353,7 +353,7 @@ def test_a_server_without_its_kernels_says_so_and_serves(tmp_path, smollm2_dir):
 
 @pytest.mark.parametrize("free_mib,most", [(700, 1), (None, 2)])
 def test_the_build_runs_as_many_compilers_as_memory_allows(tmp_path, monkeypatch, free_mib, most):
-    """native._compile starts one compiler per source, at most one per core and per
+    """build.compile_sources starts one compiler per source, at most one per core and per
     COMPILER_BYTES of free memory (a 1.5 GiB container has room for one): counted with a
     stand-in compiler that notes when it starts and ends."""
     log = tmp_path / "log"
@@ -361,10 +361,10 @@ def test_the_build_runs_as_many_compilers_as_memory_allows(tmp_path, monkeypatch
     cxx.write_text(f"#!/bin/sh\necho start >> {log}\nsleep 0.3\necho end >> {log}\n"
                    "while [ \"$1\" != -o ]; do shift; done; touch \"$2\"\n")
     cxx.chmod(0o755)
-    monkeypatch.setattr(native, "_free_bytes", lambda: None if free_mib is None else free_mib << 20)
-    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    objs = native._compile([str(cxx)], [], [], tmp_path)
-    assert [o.name for o in objs] == [f"{s.stem}.o" for s in native.SOURCES] and all(o.exists() for o in objs)
+    monkeypatch.setattr(build, "_free_bytes", lambda: None if free_mib is None else free_mib << 20)
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    objs = build.compile_sources([str(cxx)], [], [], tmp_path)
+    assert [o.name for o in objs] == [f"{s.stem}.o" for s in build.SOURCES] and all(o.exists() for o in objs)
     running = peak = 0
     for line in log.read_text().split():
         running += 1 if line == "start" else -1
@@ -385,7 +385,7 @@ def _stand_in(tmp_path, body: str):
 
 def _build_with(monkeypatch, cxx, out):
     monkeypatch.setenv("CXX", f"'{cxx}' --wrapped")
-    native._build(native._compiler(), out)
+    build.build_object(build.compiler(), out)
 
 
 def test_a_compiler_without_openmp_builds_once_more_without_it(tmp_path, monkeypatch):
@@ -403,7 +403,7 @@ def test_a_compiler_without_openmp_builds_once_more_without_it(tmp_path, monkeyp
     # the first round (its other compilers may have started before the first failed), then
     # every source and the link without it
     assert with_omp[0] and with_omp == sorted(with_omp, reverse=True)
-    assert with_omp.count(False) == len(native.SOURCES) + 1
+    assert with_omp.count(False) == len(build.SOURCES) + 1
     umask = os.umask(0)
     os.umask(umask)
     assert out.exists() and (out.stat().st_mode & 0o777) == 0o755 & ~umask
@@ -417,7 +417,7 @@ def test_a_compiler_without_openmp_builds_once_more_without_it(tmp_path, monkeyp
 def test_a_build_that_fails_otherwise_is_not_retried_and_leaves_nothing(tmp_path, monkeypatch, body, says):
     cxx, calls = _stand_in(tmp_path, body)
     out = tmp_path / "kernels" / "k" / "attend.so"
-    with pytest.raises(native.CompileError, match=says):
+    with pytest.raises(build.CompileError, match=says):
         _build_with(monkeypatch, cxx, out)
     assert not any("-fopenmp" not in ln for ln in calls.read_text().splitlines())  # no second round
     assert sorted(p.name for p in out.parent.iterdir()) == ["build.lock"]
