@@ -191,14 +191,14 @@ class ZeroShot:
         for q, text in zip(req.questions, texts):
             at_least = self.tokenizer.at_least_tokens(text)
             if at_least >= context:
-                raise ApiError.past_context(f"the prompt of this question is at least {at_least} tokens and the context "
-                                       f"holds {context}; that leaves no room for the read", q.path)
+                raise ApiError.past_context(f"the prompt of this question is at least {at_least} tokens and the "
+                                            f"context holds {context}; that leaves no room for the read", q.path)
         plans = []
         for q, text, ids in zip(req.questions, texts, read):
             prompt_ids = zs_prompt.encode(hf, text)
             if len(prompt_ids) >= context:
-                raise ApiError.past_context(f"the prompt of this question is {len(prompt_ids)} tokens and the context "
-                                       f"holds {context}; that leaves no room for the read", q.path)
+                raise ApiError.past_context(f"the prompt of this question is {len(prompt_ids)} tokens and the "
+                                            f"context holds {context}; that leaves no room for the read", q.path)
             plans.append(Plan(q, (Probe(prompt_ids, ids, len(prompt_ids), text),)))
         return plans
 
