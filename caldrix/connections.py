@@ -2,8 +2,8 @@
 way a hostile or unlucky client got through, and serve() installs them all before serving.
 
 - finish_shielded: an idle keep-alive connection is closed on time, and at once on a stop.
-- contain_failures: a connection's failure stays in that connection, not the whole server.
-- close_at_eof: an idle connection closes when its client closes, not when its timer runs out.
+- mend_tcp_server: a connection's failure stays in that connection, not the whole server; an
+  idle connection closes when its client closes, not when its timer runs out.
 - close_open: a stop does not wait forever on a client that stopped reading.
 - http1_only: no HTTP/2, whose side let hostile clients through.
 - mend_h11_reader: a refusal that closes its connection is written whole, even when the
@@ -69,25 +69,33 @@ def finish_shielded(app):
     return asgi
 
 
-def contain_failures() -> None:
-    """Keep a connection's failure in that connection.
+def mend_tcp_server() -> None:
+    """Swap hypercorn's connection task (TCPServer, hypercorn 0.18) for `MendedTCPServer`, which
+    mends two things. Installed once, before hypercorn's serve builds its connections (it looks
+    the class up in hypercorn.trio.run at that time).
 
-    hypercorn (0.18) runs each connection as a task of its listeners' nursery, and its
-    TCPServer.run lets any error but OSError out, which ends that nursery: the whole server. A
-    client that sends part of a body, then hangs up while the 413 or 415 refusing it is being
-    written, made one: hypercorn's error response for the cut body met the refusal still on the
-    socket (trio.BusyResourceError), and the process exited, every stream cut without an error
-    event. Here a connection's task closes its connection on any Exception and logs one line;
-    cancellation and KeyboardInterrupt pass as before. Installed once, before hypercorn's serve
-    builds its connections (it looks the class up in hypercorn.trio.run at that time)."""
+    A connection's failure stays in that connection. hypercorn runs each connection as a task of
+    its listeners' nursery, and its TCPServer.run lets any error but OSError out, which ends
+    that nursery: the whole server. A client that sends part of a body, then hangs up while the
+    413 or 415 refusing it is being written, made one: hypercorn's error response for the cut
+    body met the refusal still on the socket (trio.BusyResourceError), and the process exited,
+    every stream cut without an error event. Now a connection's task closes its connection on
+    any Exception and logs one line; cancellation and KeyboardInterrupt pass as before.
+
+    An idle connection closes as soon as its client has closed its side, not when the keep-alive
+    timer (server.KEEP_ALIVE_S) runs out. hypercorn ends a connection's read loop at the end of
+    the stream, but the connection task waits for its children, the keep-alive timer among them:
+    a client that closed an idle connection (or half-closed it after its answer) left the
+    server's socket open until the timer fired. Now the timer is stopped once the read loop
+    ends; a response still being written is not affected (its own task ends it)."""
     import hypercorn.trio.run as hypercorn_run
 
     base = hypercorn_run.TCPServer
-    if getattr(base, "contained", False):
+    if getattr(base, "mended", False):
         return
 
-    class ContainedTCPServer(base):
-        contained = True
+    class MendedTCPServer(base):
+        mended = True
 
         async def run(self) -> None:
             _OPEN.add(self)
@@ -103,35 +111,14 @@ def contain_failures() -> None:
             finally:
                 _OPEN.discard(self)
 
-    hypercorn_run.TCPServer = ContainedTCPServer
-
-
-def close_at_eof() -> None:
-    """Close an idle connection as soon as its client has closed its side, not when the
-    keep-alive timer (server.KEEP_ALIVE_S) runs out.
-
-    hypercorn (0.18) ends a connection's read loop at the end of the stream, but the connection
-    task waits for its children, the keep-alive timer among them: a client that closed an idle
-    connection (or half-closed it after its answer) left the server's socket open until the
-    timer fired. Here the timer is stopped once the read loop ends; a response still being
-    written is not affected (its own task ends it). Installed once, after contain_failures."""
-    import hypercorn.trio.run as hypercorn_run
-
-    base = hypercorn_run.TCPServer
-    if getattr(base, "closes_at_eof", False):
-        return
-
-    class EofClosingTCPServer(base):
-        closes_at_eof = True
-
         async def _read_data(self) -> None:
             await super()._read_data()
             await self.idle_task.stop()
 
-    hypercorn_run.TCPServer = EofClosingTCPServer
+    hypercorn_run.TCPServer = MendedTCPServer
 
 
-# The connections contain_failures' class is serving now (each leaves as its task
+# The connections mend_tcp_server's class is serving now (each leaves as its task
 # ends; weak, so nothing here keeps one alive).
 _OPEN: "weakref.WeakSet" = weakref.WeakSet()
 

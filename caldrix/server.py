@@ -61,8 +61,7 @@ async def serve(cfg: ServeConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> No
 
     from caldrix.app import create_app
 
-    connections.contain_failures()
-    connections.close_at_eof()
+    connections.mend_tcp_server()
     connections.http1_only()
     connections.mend_h11_reader()
     connections.quiet_accept_loop()

@@ -755,7 +755,7 @@ def test_a_compressed_body_is_415_naming_its_encoding(http, model):
 def test_clients_that_hang_up_on_a_refused_body_leave_the_server_up(server, http, model):
     """Part of a body, then the client hangs up while the 413 (or 415) is written: hypercorn's
     own error response for the cut body met the refusal on the socket, its connection task
-    raised, and that ended the whole server (connections.contain_failures)."""
+    raised, and that ended the whole server (connections.mend_tcp_server)."""
     import socket
 
     heads = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -103,7 +103,7 @@ def test_idle_keepalive_connection_is_closed_after_10_s(smollm2_dir: Path):
         s.close()
         assert 9.0 < idle < 14.0, f"closed after {idle:.1f} s idle"
         # A client that closes its side of an idle connection has it closed at once, not when
-        # the timer runs out (connections.close_at_eof); shown here by a half-close.
+        # the timer runs out (connections.mend_tcp_server); shown here by a half-close.
         s, head = raw_request(srv.port)
         assert head.startswith(b"HTTP/1.1 200")
         s.shutdown(socket.SHUT_WR)
